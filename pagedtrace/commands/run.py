@@ -1,0 +1,158 @@
+"""``pagedtrace run``: an offline vLLM session under the tracer, then a summary."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tracer.records import StepRecord
+from tracer.store import Trace
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        a = int(lo)
+        b = int(hi) if hi else a
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or LO:HI") from None
+    if a < 1 or b < a:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= LO <= HI")
+    return (a, b)
+
+
+def _steps(text: str) -> tuple[int | None, int | None]:
+    from tracer.hooks import parse_steps
+
+    try:
+        return parse_steps(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``run``."""
+    from tracer.session import PRESETS
+
+    presets = ", ".join(f"{k} ({v['about']})" for k, v in PRESETS.items())
+    p = sub.add_parser("run", help="run a traced offline vLLM session and summarise it",
+                       description=f"Run a vLLM session under the tracer. Presets: {presets}.")
+    p.add_argument("-o", "--out", default="pagedtrace-trace", help="trace directory to create (default: %(default)s)")
+    p.add_argument("--model", default="tiny", help="preset name, local model dir or HF id (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=4, help="number of prompts (default: %(default)s)")
+    p.add_argument("--prompt-len", type=_range, default=(20, 90), metavar="LO:HI",
+                   help="suffix length range per prompt, tokens (default: 20:90)")
+    p.add_argument("--shared-prefix", type=int, default=64, metavar="N",
+                   help="tokens every prompt starts with, to show prefix caching (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=12, help="tokens to generate per prompt (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (default: 32 on CPU, vLLM's on GPU)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--layers", default="first", help="'first', 'all' or indices/names, comma-separated")
+    p.add_argument("--steps", type=_steps, default=(None, None), metavar="START:STOP",
+                   help="record only these step indices (half-open)")
+    p.add_argument("--no-tensors", dest="tensors", action="store_false", help="record metadata only")
+    p.add_argument("--budget-mb", type=float, default=256.0, help="tensor budget in MiB (default: %(default)s)")
+    p.add_argument("--cudagraph-mode", default=None, metavar="MODE",
+                   help="use CUDA graphs in this mode (e.g. PIECEWISE, FULL_AND_PIECEWISE); default: eager")
+    p.add_argument("--multiprocess", action="store_true", help="run vLLM's engine core in its own process")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Run the session with progress bars, then print the summary."""
+    from pagedtrace.cli import UsageError
+    from tracer.session import SessionConfig, run_session
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out} exists and is not an empty directory: choose a new --out")
+    for name in ("prompts", "max_tokens", "shared_prefix"):
+        if getattr(args, name) < (1 if name != "shared_prefix" else 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    cfg = SessionConfig(
+        trace_dir=str(out), model=args.model, num_prompts=args.prompts, prompt_len=args.prompt_len,
+        shared_prefix=args.shared_prefix, max_tokens=args.max_tokens, seed=args.seed,
+        block_size=args.block_size, max_model_len=args.max_model_len,
+        enforce_eager=args.cudagraph_mode is None, cudagraph_mode=args.cudagraph_mode,
+        layers=args.layers, steps=args.steps, tensors=args.tensors, budget_mb=args.budget_mb,
+        multiprocess=args.multiprocess, gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        tasks: dict[str, int] = {}
+
+        def on_event(event: str, what: str, value) -> None:
+            if event == "phase" and what == "engine":
+                tasks["engine"] = progress.add_task(f"starting vLLM engine ({args.model})", total=None)
+            elif event == "phase" and what == "generate":
+                progress.update(tasks["engine"], total=1, completed=1)
+            elif event == "start":
+                tasks[what] = progress.add_task(what or "generating", total=value)
+            elif event == "advance" and what in tasks:
+                progress.advance(tasks[what], value)
+
+        try:
+            result = run_session(cfg, on_event)
+        except (ValueError, FileExistsError) as exc:
+            raise UsageError(str(exc)) from None
+    progress.console.log(f"engine start {result.engine_start_s:.1f} s, generation {result.generate_s:.1f} s")
+    trace = Trace.open(out)
+    console.print(build_summary_table(trace))
+    console.print(build_kv_table(trace))
+    console.print(f"trace written to [bold]{out}[/]  (next: pagedtrace replay {out}; pagedtrace report {out} -o report)")
+    return 0
+
+
+def shared_blocks(record: StepRecord) -> set[int]:
+    """Physical blocks that appear in more than one block-table row."""
+    counts = Counter(b for row in record.block_table for b in set(row))
+    return {b for b, c in counts.items() if c > 1}
+
+
+def build_summary_table(trace: Trace) -> Table:
+    """Steps by kind, requests, blocks in use and shared blocks."""
+    table = Table(title=f"trace {trace.path}", show_lines=False)
+    for col in ("step", "kind", "layer", "reqs", "tokens", "seq_lens", "blocks in use", "shared", "tensors"):
+        table.add_column(col, justify="right" if col in ("step", "reqs", "tokens", "blocks in use") else "left")
+    rows: list[tuple[int, list[str]]] = []
+    for r in trace.records:
+        used = {b for row in r.block_table for b in row}
+        seq = ",".join(map(str, r.seq_lens[:6])) + ("…" if len(r.seq_lens) > 6 else "")
+        shared = shared_blocks(r)
+        rows.append((r.step, [str(r.step), r.kind, r.layer, str(r.num_reqs), str(r.num_actual_tokens), seq,
+                              str(len(used)), ",".join(map(str, sorted(shared))) or "-", "yes" if r.tensors else "-"]))
+    for g in trace.gaps:
+        rows.append((g.step, [str(g.step), g.kind, "[dim](not seen)[/]", "-", str(g.num_tokens or "-"),
+                              f"[dim]{g.reason}[/]", "-", "-", "-"]))
+    for _, cells in sorted(rows, key=lambda x: x[0]):
+        table.add_row(*cells)
+    return table
+
+
+def build_kv_table(trace: Trace) -> Table:
+    """The run and its KV-cache layout."""
+    run = trace.run
+    table = Table(title="engine and KV cache", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("vLLM / torch", f"{run.vllm_version} / {run.torch_version}")
+    table.add_row("device", f"{run.device} ({run.device_name})")
+    table.add_row("attention", run.attention_backend + (f" (FA{run.flash_attn_version})" if run.flash_attn_version else ""))
+    table.add_row("cudagraph mode", run.cudagraph_mode)
+    if run.model:
+        m = run.model
+        table.add_row("model", f"{m.name}: {m.num_layers} layers, {m.num_attention_heads} heads / "
+                               f"{m.num_kv_heads} KV heads, D={m.head_size}, {m.dtype}; weights: {m.weights}")
+    kv = run.kv_cache
+    if kv:
+        table.add_row("kv_cache shape", f"{kv.shape} {kv.dtype}, strides {kv.stride}")
+        table.add_row("layout", f"{kv.layout}: physically {kv.physical_order}")
+        table.add_row("blocks", f"{kv.num_blocks} × {kv.block_size} tokens")
+    return table

@@ -1,0 +1,52 @@
+"""The tracer: the only part of pagedtrace that imports vLLM (lazily).
+
+Programmatic use, in the process that runs the engine::
+
+    import tracer
+    with tracer.start("trace-dir", tensors=True):
+        llm = LLM(...); llm.generate(...)
+
+``start`` also exports ``PAGEDTRACE_*`` so vLLM's child processes (engine core,
+workers) trace the same way through the ``vllm.general_plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+from tracer.records import FORMAT_VERSION, GapRecord, KVCacheSpec, RunInfo, StepRecord, TraceError
+from tracer.store import Trace, TraceWriter
+
+__all__ = [
+    "FORMAT_VERSION",
+    "GapRecord",
+    "KVCacheSpec",
+    "RunInfo",
+    "StepRecord",
+    "Trace",
+    "TraceError",
+    "TraceWriter",
+    "start",
+    "stop",
+]
+
+
+def start(directory, *, layers="first", steps=(None, None), tensors=False, budget_mb=256.0, export_env=True):
+    """Install the tracer in this process (and, via env, in vLLM's child processes)."""
+    from tracer.hooks import Tracer, TracerOptions
+
+    options = TracerOptions(
+        directory=str(directory),
+        layers=layers,
+        steps=tuple(steps),
+        tensors=tensors,
+        budget_bytes=int(budget_mb * 2**20),
+    )
+    return Tracer(options).start(export_env=export_env)
+
+
+def stop() -> None:
+    """Stop the tracer active in this process, if any."""
+    from tracer.hooks import active
+
+    t = active()
+    if t is not None:
+        t.stop()

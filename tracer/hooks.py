@@ -1,0 +1,761 @@
+"""Wrap vLLM's attention backends and model runners; record what attention receives.
+
+The hooks only record: in ``forward`` / ``do_kv_cache_update`` they clone the few
+tensors they need *on the device* (no host sync) and append to a list. When the
+model runner's step returns, ``Tracer._flush`` copies them to the host, shapes
+the records and writes them. Nothing is copied while a CUDA graph is being
+captured: that would abort the capture and crash the engine.
+
+Patched (when importable):
+
+* ``vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward`` / ``.do_kv_cache_update``
+* ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` / ``.do_kv_cache_update``
+* the V1 and V2 ``GPUModelRunner`` (``CPUModelRunner`` inherits V1):
+  ``execute_model``, ``_dummy_run``, ``profile_run``, ``capture_model`` to number steps,
+  tell profile / warm-up / request steps apart and notice steps attention never saw.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import functools
+import importlib
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from tracer.records import (
+    FORMAT_VERSION,
+    SOURCE_FILES,
+    GapRecord,
+    KVCacheSpec,
+    ModelSummary,
+    RunInfo,
+    StepRecord,
+)
+from tracer.store import TraceWriter, sha256_text
+
+logger = logging.getLogger("pagedtrace")
+
+#: (module, class, methods) patched when the module imports.
+BACKEND_TARGETS = (
+    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl"),
+)
+RUNNER_TARGETS = (
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+)
+RUNNER_METHODS = ("execute_model", "_dummy_run", "profile_run", "capture_model", "prepare_inputs")
+
+#: Environment variables read by ``TracerOptions.from_env`` (and the plugin).
+ENV_DIR = "PAGEDTRACE_DIR"
+ENV_LAYERS = "PAGEDTRACE_LAYERS"
+ENV_STEPS = "PAGEDTRACE_STEPS"
+ENV_TENSORS = "PAGEDTRACE_TENSORS"
+ENV_BUDGET = "PAGEDTRACE_BUDGET_MB"
+
+
+@dataclass(frozen=True)
+class TracerOptions:
+    """What to record.
+
+    ``layers``: ``"first"`` (the first attention layer that runs), ``"all"``, or a
+    tuple of layer indices / names. ``steps``: half-open range of step indices
+    (``None`` = unbounded). ``tensors``: also save query, output, key/value and the
+    KV blocks in use, for request steps, within ``budget_bytes``.
+    """
+
+    directory: str
+    layers: str | tuple[str | int, ...] = "first"
+    steps: tuple[int | None, int | None] = (None, None)
+    tensors: bool = False
+    budget_bytes: int = 256 * 2**20
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> TracerOptions | None:
+        """Options from ``PAGEDTRACE_*`` variables; None when ``PAGEDTRACE_DIR`` is unset."""
+        env = os.environ if environ is None else environ
+        directory = env.get(ENV_DIR)
+        if not directory:
+            return None
+        return cls(
+            directory=directory,
+            layers=parse_layers(env.get(ENV_LAYERS, "first")),
+            steps=parse_steps(env.get(ENV_STEPS, "")),
+            tensors=env.get(ENV_TENSORS, "0").lower() in ("1", "true", "yes", "on"),
+            budget_bytes=int(float(env.get(ENV_BUDGET, "256")) * 2**20),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The ``PAGEDTRACE_*`` variables that make child processes trace the same way."""
+        layers = self.layers if isinstance(self.layers, str) else ",".join(map(str, self.layers))
+        start, stop = self.steps
+        return {
+            ENV_DIR: str(self.directory),
+            ENV_LAYERS: layers,
+            ENV_STEPS: f"{'' if start is None else start}:{'' if stop is None else stop}",
+            ENV_TENSORS: "1" if self.tensors else "0",
+            ENV_BUDGET: str(self.budget_bytes / 2**20),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form for the manifest."""
+        d = dataclasses.asdict(self)
+        d["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
+        d["steps"] = list(self.steps)
+        return d
+
+
+def parse_layers(text: str) -> str | tuple[str | int, ...]:
+    """``first`` / ``all`` / ``0,3,model.layers.5.self_attn.attn`` -> options value."""
+    text = text.strip()
+    if text in ("first", "all"):
+        return text
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"bad layer selection {text!r}: use 'first', 'all' or indices/names")
+    return tuple(int(t) if t.isdigit() else t for t in items)
+
+
+def parse_steps(text: str) -> tuple[int | None, int | None]:
+    """``'3:10'`` -> (3, 10); ``''`` or ``':'`` -> unbounded; ``'5'`` -> (5, 6)."""
+    text = text.strip()
+    if not text or text == ":":
+        return (None, None)
+    try:
+        if ":" not in text:
+            return (int(text), int(text) + 1)
+        a, b = text.split(":", 1)
+        return (int(a) if a else None, int(b) if b else None)
+    except ValueError:
+        raise ValueError(f"bad step range {text!r}: use START:STOP (e.g. 0:100)") from None
+
+
+def layer_index(name: str) -> int | None:
+    """``model.layers.7.self_attn.attn`` -> 7."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+@dataclass
+class _Pending:
+    """One captured forward call, tensors still on the device."""
+
+    step: int
+    kind: str
+    layer: str
+    impl: Any
+    metadata: dict[str, Any]
+    device_tensors: dict[str, Any]
+    kv_cache: Any
+    req_ids: tuple[str, ...]
+
+
+_ACTIVE: Tracer | None = None
+_LOCK = threading.Lock()
+
+
+def active() -> Tracer | None:
+    """The tracer installed in this process, if any."""
+    return _ACTIVE
+
+
+class Tracer:
+    """Installs the hooks in this process and writes one trace directory.
+
+    ``start()`` / ``stop()`` are symmetric; a second ``start()`` (of this or any
+    tracer) raises; a start that fails half-way unpatches what it patched.
+    """
+
+    def __init__(self, options: TracerOptions):
+        self.options = options
+        self._patched: list[tuple[type, str, Any]] = []
+        self._env_backup: dict[str, str | None] = {}
+        self._writer: TraceWriter | None = None
+        self._write_failed = False
+        self._manifest_written = False
+        self._layer_locked: str | None = None
+        self._runner: Any = None
+        self._vllm_config: Any = None
+        self._pending: list[_Pending] = []
+        self._kv_inputs: dict[str, dict[str, Any]] = {}
+        # step bookkeeping
+        self.step = -1
+        self._depth = 0
+        self._phase: list[str] = []
+        self._seen_in_step = False
+        self._capture_gap_noted = -1
+        self._v2_req_ids: tuple[str, ...] | None = None
+        self.stats = {"records": 0, "gaps": 0, "tensor_files": 0}
+
+    # -- install / uninstall -------------------------------------------------
+
+    def start(self, *, export_env: bool = False) -> Tracer:
+        """Patch vLLM's classes in this process; raises if a tracer is already active.
+
+        ``export_env`` also sets ``PAGEDTRACE_*`` (restored by ``stop``) so vLLM's
+        child processes trace through the plugin.
+        """
+        global _ACTIVE
+        with _LOCK:
+            if _ACTIVE is not None:
+                raise RuntimeError("a pagedtrace tracer is already active in this process; stop() it first")
+            try:
+                self._install()
+            except BaseException:
+                self._uninstall()
+                raise
+            if not any(name == "forward" for _, name, _ in self._patched):
+                self._uninstall()
+                raise RuntimeError("no vLLM attention backend found to trace (is vLLM 0.26 installed?)")
+            _ACTIVE = self
+            if export_env:
+                env = self.options.to_env()
+                self._env_backup = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+        atexit.register(self._atexit)
+        return self
+
+    def stop(self) -> None:
+        """Flush what is pending, unpatch, close the trace. Safe to call twice."""
+        global _ACTIVE
+        with _LOCK:
+            if _ACTIVE is not self:
+                return
+            try:
+                self._flush()
+                self._finish()
+            finally:
+                self._uninstall()
+                for k, v in self._env_backup.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+                self._env_backup = {}
+                _ACTIVE = None
+                atexit.unregister(self._atexit)
+
+    def __enter__(self) -> Tracer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _atexit(self) -> None:
+        # Worker processes end without calling stop(): keep what was recorded.
+        try:
+            self.stop()
+        except Exception:  # noqa: BLE001 - never fail interpreter shutdown
+            pass
+
+    def _install(self) -> None:
+        for module_name, cls_name in BACKEND_TARGETS:
+            cls = _import_attr(module_name, cls_name)
+            if cls is None:
+                continue
+            self._patch(cls, "forward", self._wrap_forward)
+            self._patch(cls, "do_kv_cache_update", self._wrap_kv_update)
+        for module_name, cls_name in RUNNER_TARGETS:
+            cls = _import_attr(module_name, cls_name)
+            if cls is None:
+                continue
+            for method in RUNNER_METHODS:
+                if method in vars(cls):
+                    self._patch(cls, method, self._wrap_runner(method))
+
+    def _patch(self, cls: type, name: str, make_wrapper: Any) -> None:
+        original = vars(cls).get(name)
+        if original is None:
+            return
+        wrapper = make_wrapper(original)
+        wrapper.__pagedtrace_original__ = original
+        setattr(cls, name, wrapper)
+        self._patched.append((cls, name, original))
+
+    def _uninstall(self) -> None:
+        while self._patched:
+            cls, name, original = self._patched.pop()
+            setattr(cls, name, original)
+
+    # -- wrappers -----------------------------------------------------------
+
+    def _wrap_runner(self, method: str):
+        """Return a wrapper factory for one model-runner method."""
+        tracer = self
+        phase = {"execute_model": "request", "profile_run": "profile", "capture_model": "warmup",
+                 "_dummy_run": "warmup", "prepare_inputs": None}[method]
+        counts_step = method in ("execute_model", "_dummy_run")
+
+        def make(original):
+            if method == "prepare_inputs":
+                # V2 runner: rows are sorted here, so take the request ids from its batch.
+                @functools.wraps(original)
+                def prepare_inputs(runner, *args, **kwargs):
+                    batch = original(runner, *args, **kwargs)
+                    ids = getattr(batch, "req_ids", None)
+                    if ids is not None:
+                        tracer._v2_req_ids = tuple(ids)
+                    return batch
+
+                return prepare_inputs
+
+            @functools.wraps(original)
+            def wrapper(runner, *args, **kwargs):
+                tracer._runner = runner
+                tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
+                outer = tracer._phase[-1] if tracer._phase else None
+                # A dummy run inside profile_run is a profile step; inside execute_model it
+                # pads a data-parallel step and belongs to it.
+                effective = outer if (method == "_dummy_run" and outer in ("profile", "request")) else phase
+                new_step = counts_step and tracer._depth == 0
+                if new_step:
+                    tracer.step += 1
+                    tracer._seen_in_step = False
+                    tracer._v2_req_ids = None
+                tracer._phase.append(effective)
+                tracer._depth += counts_step
+                try:
+                    return original(runner, *args, **kwargs)
+                finally:
+                    tracer._depth -= counts_step
+                    tracer._phase.pop()
+                    if new_step:
+                        tracer._end_step(method, effective, args, kwargs)
+
+            return wrapper
+
+        return make
+
+    def _wrap_kv_update(self, original):
+        tracer = self
+
+        @functools.wraps(original)
+        def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
+            result = original(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
+            name = getattr(layer, "layer_name", "")
+            if tracer._wants(name) and not _capturing():
+                n = slot_mapping.shape[0]
+                entry = {"slot_mapping": slot_mapping.detach().clone()}
+                if tracer._wants_tensors():
+                    entry["key"] = key[:n].detach().clone()
+                    entry["value"] = value[:n].detach().clone()
+                tracer._kv_inputs[name] = entry
+            return result
+
+        return do_kv_cache_update
+
+    def _wrap_forward(self, original):
+        tracer = self
+
+        @functools.wraps(original)
+        def forward(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            result = original(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+            try:
+                tracer._on_forward(impl, layer, query, kv_cache, attn_metadata, output)
+            except Exception as exc:  # noqa: BLE001 - the engine must run on
+                tracer._warn_once(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
+                tracer._write_failed = True
+            return result
+
+        return forward
+
+    # -- recording ----------------------------------------------------------
+
+    def _kind(self) -> str:
+        return self._phase[-1] if self._phase else "request"
+
+    def _in_step_range(self) -> bool:
+        start, stop = self.options.steps
+        return (start is None or self.step >= start) and (stop is None or self.step < stop)
+
+    def _wants(self, layer_name: str) -> bool:
+        if self._write_failed or not self._in_step_range():
+            return False
+        sel = self.options.layers
+        if sel == "all":
+            return True
+        if sel == "first":
+            if self._layer_locked is None:
+                return True  # decided in _on_forward
+            return layer_name == self._layer_locked
+        idx = layer_index(layer_name)
+        return layer_name in sel or (idx is not None and idx in sel)
+
+    def _wants_tensors(self) -> bool:
+        return self.options.tensors and self._kind() == "request"
+
+    def _on_forward(self, impl, layer, query, kv_cache, attn_metadata, output) -> None:
+        name = getattr(layer, "layer_name", "") or f"layer{id(layer)}"
+        if attn_metadata is None:
+            # Profile runs build no attention metadata: vLLM skips attention itself.
+            if self._capture_gap_noted != self.step:
+                self._capture_gap_noted = self.step
+                self._record_gap(self._kind(), "no attention metadata (profile run: vLLM skips attention)", 0)
+            self._seen_in_step = True
+            return
+        if not self._wants(name):
+            return
+        if self.options.layers == "first" and self._layer_locked is None:
+            self._layer_locked = name
+        self._seen_in_step = True
+        if _capturing():
+            if self._capture_gap_noted != self.step:
+                self._capture_gap_noted = self.step
+                self._record_gap(self._kind(), "cuda-graph-capture: no copies allowed while capturing",
+                                 int(attn_metadata.num_actual_tokens))
+            return
+        md = attn_metadata
+        n = int(md.num_actual_tokens)
+        window = getattr(md, "sliding_window", None)
+        if window is None:
+            window = getattr(impl, "sliding_window", None)
+        if isinstance(window, int):  # the CPU backend keeps one int, -1 = none
+            window = (-1, -1) if window < 0 else (window - 1, 0)
+        causal = getattr(md, "causal", True)
+        metadata = {
+            "num_actual_tokens": n,
+            "max_query_len": int(md.max_query_len),
+            "max_seq_len": int(md.max_seq_len),
+            "causal": bool(causal) if not hasattr(causal, "shape") else True,
+            "sliding_window": tuple(int(w) for w in window) if window is not None else None,
+            "logits_soft_cap": float(getattr(impl, "logits_soft_cap", 0) or 0),
+            "scale": float(impl.scale),
+            "use_cascade": bool(getattr(md, "use_cascade", False)),
+            "num_splits": int(getattr(md, "max_num_splits", 0) or 0),
+            "num_heads": int(impl.num_heads),
+            "num_kv_heads": int(impl.num_kv_heads),
+            "head_size": int(impl.head_size),
+        }
+        num_reqs = int(md.seq_lens.shape[0])
+        dev = {
+            "query_start_loc": md.query_start_loc[: num_reqs + 1].detach().clone(),
+            "seq_lens": md.seq_lens.detach().clone(),
+            "block_table": md.block_table[:num_reqs].detach().clone(),
+        }
+        kv_in = self._kv_inputs.pop(name, None) or {}
+        dev["slot_mapping"] = kv_in.pop("slot_mapping", None)
+        if dev["slot_mapping"] is None:
+            dev["slot_mapping"] = md.slot_mapping[:n].detach().clone()
+        if self._wants_tensors():
+            dev["query"] = query[:n].detach().clone()
+            dev["output"] = output[:n].detach().clone()
+            dev.update(kv_in)
+        self._pending.append(
+            _Pending(self.step, self._kind(), name, impl, metadata, dev, kv_cache, self._req_ids(num_reqs))
+        )
+
+    def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
+        ids: Any = self._v2_req_ids
+        if ids is None and self._kind() == "request":
+            batch = getattr(self._runner, "input_batch", None)
+            ids = getattr(batch, "req_ids", None)
+        if ids is None:
+            return ("",) * num_reqs
+        ids = tuple(str(i) for i in list(ids)[:num_reqs])
+        return ids + ("",) * (num_reqs - len(ids))
+
+    def _end_step(self, method: str, kind: str, args: tuple, kwargs: dict) -> None:
+        try:
+            if not self._seen_in_step and method == "execute_model" and self._in_step_range():
+                sched = args[0] if args else kwargs.get("scheduler_output")
+                num = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+                if num > 0:
+                    self._record_gap(kind, "cuda-graph-replay: attention ran inside a CUDA graph, "
+                                     "Python forward() was not called", num)
+            self._flush()
+        except Exception as exc:  # noqa: BLE001
+            self._warn_once(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
+            self._write_failed = True
+            self._pending.clear()
+
+    def _record_gap(self, kind: str, reason: str, num_tokens: int) -> None:
+        self._write(GapRecord(step=self.step, kind=kind, reason=reason, num_tokens=num_tokens), None)
+        self.stats["gaps"] += 1
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        self._kv_inputs.clear()
+        for p in pending:
+            host = {k: v.to("cpu") for k, v in p.device_tensors.items()}
+            md = p.metadata
+            seq_lens = [int(s) for s in host["seq_lens"].tolist()]
+            block_size = int(p.kv_cache.shape[2])
+            rows = host["block_table"].tolist()
+            block_table = tuple(
+                tuple(int(b) for b in row[: math.ceil(s / block_size)]) for row, s in zip(rows, seq_lens)
+            )
+            rec = StepRecord(
+                step=p.step,
+                layer=p.layer,
+                kind=p.kind,
+                request_ids=p.req_ids,
+                query_start_loc=tuple(int(x) for x in host["query_start_loc"].tolist()),
+                seq_lens=tuple(seq_lens),
+                block_table=block_table,
+                slot_mapping=tuple(int(x) for x in host["slot_mapping"].tolist()),
+                **md,
+            )
+            tensors = None
+            if "query" in host:
+                tensors = self._tensor_payload(p, host, block_table)
+            if not self._manifest_written:
+                self._write_manifest(p)
+            self._write(rec, tensors)
+            self.stats["records"] += 1
+
+    def _tensor_payload(self, p: _Pending, host: dict[str, Any], block_table) -> dict[str, Any]:
+        import torch
+
+        ids = sorted({b for row in block_table for b in row})
+        index = torch.tensor(ids, dtype=torch.long, device=p.kv_cache.device)
+        kv_blocks = p.kv_cache.index_select(0, index).to("cpu")
+        n, h, d = p.metadata["num_actual_tokens"], p.metadata["num_heads"], p.metadata["head_size"]
+        out = {
+            "query": host["query"].reshape(n, h, d),
+            "output": host["output"].reshape(n, h, d),
+            "kv_blocks": kv_blocks,
+            "kv_block_ids": torch.tensor(ids, dtype=torch.int32),
+        }
+        for k in ("key", "value"):
+            if k in host:
+                out[k] = host[k]
+        return out
+
+    def _write(self, record, tensors) -> None:
+        if self._write_failed:
+            return
+        try:
+            if self._writer is None:
+                self._writer = TraceWriter(self.options.directory, tensor_budget_bytes=self.options.budget_bytes)
+            stored = self._writer.append(record, tensors)
+            if getattr(stored, "tensors", None):
+                self.stats["tensor_files"] += 1
+        except OSError as exc:
+            self._write_failed = True
+            self._warn_once(f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; "
+                            "tracing stops, the engine runs on")
+
+    def _warn_once(self, message: str) -> None:
+        if not getattr(self, "_warned", False):
+            self._warned = True
+            logger.warning(message)
+            import warnings
+
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # -- manifest -----------------------------------------------------------
+
+    def _write_manifest(self, p: _Pending | None) -> None:
+        if self._write_failed:
+            return
+        try:
+            if self._writer is None:
+                self._writer = TraceWriter(self.options.directory, tensor_budget_bytes=self.options.budget_bytes)
+            sources = {}
+            for rel in SOURCE_FILES:
+                text = _vllm_source(rel)
+                if text is not None:
+                    sources[rel] = {"file": self._writer.add_source(rel, text), "sha256": sha256_text(text)}
+            self._writer.write_manifest(build_run_info(self, p, sources))
+            self._manifest_written = True
+        except OSError as exc:
+            self._write_failed = True
+            self._warn_once(f"pagedtrace: cannot write trace to {self.options.directory}: {exc}")
+
+    def _finish(self) -> None:
+        if self._writer is not None:
+            if self._manifest_written and self._writer.budget_exhausted:
+                logger.warning("pagedtrace: tensor budget of %d bytes used up; later steps have no tensors",
+                               self.options.budget_bytes)
+            self._writer.close()
+            self._writer = None
+
+
+def _capturing() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _import_attr(module_name: str, attr: str) -> Any:
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - a backend this build lacks is not an error
+        logger.debug("pagedtrace: %s not importable: %s", module_name, exc)
+        return None
+    return getattr(module, attr, None)
+
+
+def _vllm_source(rel: str) -> str | None:
+    try:
+        import vllm
+
+        path = Path(vllm.__file__).parent.parent / rel
+        return path.read_text(encoding="utf-8")
+    except (ImportError, OSError):
+        return None
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _physical_order(kv_cache: Any, layout: str) -> str:
+    if layout == "cpu":
+        return "(blocks, heads, [K^T (D, tokens) | V (tokens, D)])"
+    return "(blocks, tokens, heads, K|V)" if layout == "flash_nhd" else "(blocks, heads, tokens, K|V)"
+
+
+def kv_layout_of(impl: Any, kv_cache: Any) -> str:
+    """Name the layout of ``kv_cache`` as the backend ``impl`` reads it."""
+    if type(impl).__name__ == "CPUAttentionBackendImpl":
+        return "cpu"
+    stride = kv_cache.stride()
+    # logical (blocks, heads, tokens, 2D): NHD keeps the heads dim inside a token
+    return "flash_nhd" if stride[1] < stride[2] else "flash_hnd"
+
+
+def build_run_info(tracer: Tracer, p: _Pending | None, sources: dict[str, dict[str, str]]) -> RunInfo:
+    """Collect versions, device, model and KV-cache facts for the manifest."""
+    import torch
+    import vllm
+
+    import pagedtrace
+
+    cfg = tracer._vllm_config
+    if cfg is None:
+        try:
+            from vllm.config import get_current_vllm_config
+
+            cfg = get_current_vllm_config()
+        except Exception:  # noqa: BLE001
+            cfg = None
+    platform_name, device, device_name = "unknown", "cpu", "cpu"
+    try:
+        from vllm.platforms import current_platform
+
+        platform_name = type(current_platform).__name__
+        device = str(current_platform.device_type)
+        device_name = current_platform.get_device_name() if device == "cuda" else _cpu_name()
+    except Exception:  # noqa: BLE001
+        pass
+    model = None
+    kv = None
+    backend = "unknown"
+    fa_version = None
+    if cfg is not None and cfg.model_config is not None:
+        mc = cfg.model_config
+        hf = mc.hf_text_config
+        model = ModelSummary(
+            name=str(os.environ.get("PAGEDTRACE_MODEL_NAME") or mc.model),
+            architectures=tuple(getattr(mc.hf_config, "architectures", None) or ()),
+            num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
+            num_attention_heads=int(getattr(hf, "num_attention_heads", 0) or 0),
+            num_kv_heads=int(mc.get_total_num_kv_heads()),
+            head_size=int(mc.get_head_size()),
+            hidden_size=int(getattr(hf, "hidden_size", 0) or 0),
+            vocab_size=int(getattr(hf, "vocab_size", 0) or 0),
+            dtype=_dtype_name(mc.dtype),
+            max_model_len=int(mc.max_model_len),
+            weights=os.environ.get("PAGEDTRACE_WEIGHTS") or str(cfg.load_config.load_format),
+        )
+    if p is not None:
+        impl, kv_cache = p.impl, p.kv_cache
+        backend = f"{type(impl).__module__}.{type(impl).__qualname__}"
+        fa_version = getattr(impl, "vllm_flash_attn_version", None)
+        layout = kv_layout_of(impl, kv_cache)
+        nb, h, bs, d2 = (int(x) for x in kv_cache.shape)
+        backend_shape: tuple[int, ...] = ()
+        stride_order = None
+        backend_cls = _backend_class(impl)
+        if backend_cls is not None:
+            try:
+                backend_shape = tuple(backend_cls.get_kv_cache_shape(nb, bs, h, d2 // 2, impl.kv_cache_dtype))
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                stride_order = tuple(backend_cls.get_kv_cache_stride_order())
+            except Exception:  # noqa: BLE001 - CPU backend has none
+                stride_order = None
+        layer_names = sorted({q.layer for q in tracer._pending} | {p.layer})
+        layer_obj = _layer_obj(cfg, p.layer)
+        kv = KVCacheSpec(
+            layer_names=tuple(layer_names),
+            num_blocks=nb,
+            block_size=bs,
+            num_kv_heads=h,
+            head_size=d2 // 2,
+            dtype=_dtype_name(kv_cache.dtype),
+            cache_dtype=str(getattr(impl, "kv_cache_dtype", "auto")),
+            element_size=int(kv_cache.element_size()),
+            shape=(nb, h, bs, d2),
+            stride=tuple(int(s) for s in kv_cache.stride()),
+            layout=layout,
+            physical_order=_physical_order(kv_cache, layout),
+            k_scale=float(getattr(layer_obj, "_k_scale_float", 1.0)),
+            v_scale=float(getattr(layer_obj, "_v_scale_float", 1.0)),
+            backend_kv_cache_shape=backend_shape,
+            backend_stride_order=stride_order,
+        )
+    cc = getattr(cfg, "compilation_config", None)
+    return RunInfo(
+        format_version=FORMAT_VERSION,
+        pagedtrace_version=pagedtrace.__version__,
+        vllm_version=str(vllm.__version__),
+        torch_version=str(torch.__version__),
+        platform=platform_name,
+        device=device,
+        device_name=device_name,
+        attention_backend=backend,
+        flash_attn_version=fa_version,
+        cudagraph_mode=str(getattr(cc, "cudagraph_mode", "unknown")).removeprefix("CUDAGraphMode."),
+        enforce_eager=bool(getattr(getattr(cfg, "model_config", None), "enforce_eager", False)),
+        model=model,
+        kv_cache=kv,
+        options=tracer.options.to_json(),
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        sources=sources,
+        extra={"pid": os.getpid()},
+    )
+
+
+def _layer_obj(cfg: Any, name: str) -> Any:
+    try:
+        return cfg.compilation_config.static_forward_context[name]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _backend_class(impl: Any) -> Any:
+    name = type(impl).__name__
+    if name == "FlashAttentionImpl":
+        return _import_attr("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend")
+    if name == "CPUAttentionBackendImpl":
+        return _import_attr("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend")
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"

@@ -1,0 +1,57 @@
+"""The ``pagedtrace_random`` load format: dummy weights that make attention far from uniform.
+
+vLLM's ``load_format="dummy"`` fills every weight uniformly in +-1e-3, so every
+attention logit is ~0 and attention is a plain average of V: a replay of such a
+run cannot tell a right block order or K layout from a wrong one. This loader
+starts from vLLM's dummy loader, then re-initialises with a seeded normal scaled
+by fan-in (query/key projections a bit larger), so logits spread over several
+units and each query attends to a few keys.
+"""
+
+from __future__ import annotations
+
+LOAD_FORMAT = "pagedtrace_random"
+#: Seed of the re-initialisation: the same preset always gives the same weights.
+SEED = 1234
+#: Standard deviation factor (times 1/sqrt(fan_in)) for ``qkv_proj``.
+QKV_GAIN = 1.5
+
+_registered = False
+
+
+def reinit_weights(model, seed: int = SEED) -> None:
+    """Re-initialise ``model``'s floating-point parameters in place (deterministic)."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if not param.is_floating_point():
+                continue
+            if param.dim() == 1:
+                value = torch.ones(param.shape) if "norm" in name else 0.02 * torch.randn(param.shape, generator=gen)
+            elif "embed" in name or "lm_head" in name:
+                value = torch.randn(param.shape, generator=gen)
+            else:
+                gain = QKV_GAIN if "qkv" in name or "q_proj" in name or "k_proj" in name else 1.0
+                value = torch.randn(param.shape, generator=gen) * (gain / param.shape[-1] ** 0.5)
+            param.copy_(value.to(param.dtype))
+
+
+def register_loader() -> None:
+    """Register the load format with vLLM (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    @register_model_loader(LOAD_FORMAT)
+    class PagedtraceRandomLoader(DummyModelLoader):
+        """vLLM's dummy loader followed by ``reinit_weights``."""
+
+        def load_weights(self, model, model_config) -> None:
+            super().load_weights(model, model_config)
+            reinit_weights(model)
+
+    _registered = True

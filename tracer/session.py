@@ -1,0 +1,251 @@
+"""An offline vLLM session under the tracer: what ``pagedtrace run`` does.
+
+Models come from a local directory, a Hugging Face id, or a built-in preset: a
+``config.json`` shipped with pagedtrace and weights made by the
+``pagedtrace_random`` load format (no hub access, attention far from uniform).
+Prompts are token ids, generated from a seed, all starting with one shared
+prefix so that prefix caching shows in the block table; decoding is greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+#: Built-in presets: name -> (config file in ``pagedtrace.presets``, defaults).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"config": "tiny.json", "max_model_len": 512,
+             "about": "Qwen2-shaped, 2 layers, 4 heads / 2 KV heads, D=64: seconds on a CPU"},
+    "qwen2.5-7b-instruct": {"config": "qwen2.5-7b-instruct.json", "max_model_len": 4096,
+                            "about": "Qwen2.5-7B-Instruct's shape (28 layers, 28/4 heads, D=128): the vLLM lesson's model"},
+}
+
+#: Environment for a quiet, loopback-only engine (vLLM's own variables).
+QUIET_ENV = {
+    "TORCH_COMPILE_DISABLE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything ``pagedtrace run`` needs to start an engine and generate."""
+
+    trace_dir: str
+    model: str = "tiny"  #: preset name, local model dir or HF id
+    num_prompts: int = 4
+    prompt_len: tuple[int, int] = (20, 90)  #: per-prompt suffix length range, inclusive (tokens)
+    shared_prefix: int = 64  #: tokens every prompt starts with (0 = none)
+    max_tokens: int = 12
+    seed: int = 0
+    block_size: int | None = None  #: None: 32 on CPU (multiple of 32 preferred), vLLM's default on GPU
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    cudagraph_mode: str | None = None  #: e.g. ``PIECEWISE``, ``FULL_AND_PIECEWISE`` (needs enforce_eager False)
+    layers: str = "first"
+    steps: tuple[int | None, int | None] = (None, None)
+    tensors: bool = True
+    budget_mb: float = 256.0
+    multiprocess: bool = False  #: run vLLM's engine core in its own process (tracer via the plugin)
+    gpu_memory_utilization: float = 0.85
+    trace: bool = True  #: False runs the same session untraced (to compare tokens)
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class SessionResult:
+    """What the session produced (also written as ``session.json``)."""
+
+    config: dict[str, Any]
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+    request_ids: list[str]
+    engine_start_s: float
+    generate_s: float
+    model_name: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def make_prompts(cfg: SessionConfig, vocab_size: int) -> list[list[int]]:
+    """Seeded token-id prompts: a shared prefix, then a random suffix of each length."""
+    rng = random.Random(cfg.seed)
+    lo, hi = cfg.prompt_len
+    if lo < 1 or hi < lo:
+        raise ValueError(f"prompt length range {lo}:{hi} is empty")
+    top = max(vocab_size - 1, 11)
+    prefix = [rng.randrange(10, top) for _ in range(cfg.shared_prefix)]
+    return [prefix + [rng.randrange(10, top) for _ in range(rng.randint(lo, hi))] for _ in range(cfg.num_prompts)]
+
+
+def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
+    """Return (model path for vLLM, load format, vocab size, preset max_model_len or 0)."""
+    from tracer.loader import LOAD_FORMAT
+
+    if name in PRESETS:
+        preset = PRESETS[name]
+        text = resources.files("pagedtrace.presets").joinpath(preset["config"]).read_text()
+        model_dir = workdir / name
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(text)
+        return str(model_dir), LOAD_FORMAT, int(json.loads(text)["vocab_size"]), preset["max_model_len"]
+    path = Path(name)
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"{path}: no config.json (not a model directory)")
+        vocab = int(json.loads(cfg_file.read_text()).get("vocab_size", 32000))
+        has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+        return str(path), ("auto" if has_weights else LOAD_FORMAT), vocab, 0
+    return name, "auto", 32000, 0
+
+
+class _ProgressBar:
+    """Just enough of tqdm for ``LLM.generate(use_tqdm=...)``, forwarding to a callback."""
+
+    def __init__(self, iterable: Any = None, *args: Any, total: int | None = None, desc: str = "",
+                 callback=None, **kwargs: Any):
+        self.iterable = iterable
+        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+            total = len(iterable)
+        self.n = 0
+        self.total = total
+        self.desc = desc
+        self.postfix = ""
+        self._t0 = time.perf_counter()
+        self._callback = callback
+        if callback:
+            callback("start", desc, total)
+
+    @property
+    def format_dict(self) -> dict[str, float]:
+        return {"elapsed": max(time.perf_counter() - self._t0, 1e-9)}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self._callback:
+            self._callback("advance", self.desc, n)
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._callback:
+            self._callback("close", self.desc, self.n)
+
+    def __iter__(self):
+        for item in self.iterable or ():
+            yield item
+            self.update(1)
+        self.close()
+
+
+def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | None = None) -> SessionResult:
+    """Start a vLLM engine (traced unless ``cfg.trace`` is False), generate, stop.
+
+    ``progress(event, what, value)`` is called with ``("phase", "engine", None)`` and
+    tqdm-like ``start`` / ``advance`` / ``close`` events during generation.
+    """
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if cfg.multiprocess else "0"
+    trace_dir = Path(cfg.trace_dir)
+    workdir = Path(tempfile.mkdtemp(prefix="pagedtrace-model-"))
+    notify = progress or (lambda *a: None)
+    t = None
+    try:
+        model_path, load_format, vocab, preset_len = resolve_model(cfg.model, workdir)
+        os.environ["PAGEDTRACE_MODEL_NAME"] = cfg.model
+        os.environ["PAGEDTRACE_WEIGHTS"] = (
+            "dummy + pagedtrace_random re-init (seeded normal; attention far from uniform)"
+            if load_format != "auto" else "checkpoint"
+        )
+        prompts = make_prompts(cfg, vocab)
+        from tracer.loader import register_loader
+
+        register_loader()
+        if cfg.trace:
+            import tracer
+
+            if trace_dir.exists() and any(trace_dir.iterdir()):
+                raise FileExistsError(f"{trace_dir} exists and is not empty: choose a new trace directory")
+            t = tracer.start(trace_dir, layers=_layers(cfg.layers), steps=cfg.steps,
+                             tensors=cfg.tensors, budget_mb=cfg.budget_mb)
+        notify("phase", "engine", None)
+        t0 = time.perf_counter()
+        from vllm import LLM, SamplingParams
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.device_type == "cpu"
+        kwargs: dict[str, Any] = dict(
+            model=model_path, load_format=load_format, skip_tokenizer_init=True, seed=cfg.seed,
+            max_model_len=cfg.max_model_len or preset_len or 2048, dtype=cfg.dtype,
+            enforce_eager=cfg.enforce_eager, enable_prefix_caching=True,
+        )
+        block_size = cfg.block_size or (32 if on_cpu else None)
+        if block_size:
+            kwargs["block_size"] = block_size
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.cudagraph_mode and not cfg.enforce_eager:
+            kwargs["compilation_config"] = {"cudagraph_mode": cfg.cudagraph_mode}
+        llm = LLM(**kwargs)
+        engine_s = time.perf_counter() - t0
+        notify("phase", "generate", None)
+        t1 = time.perf_counter()
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+
+        def bar(*args: Any, **kwargs: Any) -> _ProgressBar:
+            return _ProgressBar(*args, callback=progress, **kwargs)
+
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=bar if progress else False)
+        gen_s = time.perf_counter() - t1
+        result = SessionResult(
+            config=_jsonable(asdict(cfg)),
+            prompts=prompts,
+            outputs=[list(o.outputs[0].token_ids) for o in outs],
+            request_ids=[str(o.request_id) for o in outs],
+            engine_start_s=round(engine_s, 3),
+            generate_s=round(gen_s, 3),
+            model_name=cfg.model,
+        )
+        del llm
+        if t is not None:
+            result.stats = dict(t.stats)
+            t.stop()
+            t = None
+            from tracer.store import SESSION, write_side_file
+
+            if trace_dir.is_dir():
+                write_side_file(trace_dir, SESSION, _jsonable(asdict(result)))
+        return result
+    finally:
+        if t is not None:
+            t.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _layers(text: str):
+    from tracer.hooks import parse_layers
+
+    return parse_layers(text)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,258 @@
+"""Write and read a trace directory: JSON manifest, JSONL records, safetensors.
+
+A trace directory::
+
+    manifest.json        RunInfo (format version, versions, device, KV-cache spec)
+    steps.jsonl          one StepRecord / GapRecord per line, append-only
+    tensors/*.safetensors  captured tensors, one file per (step, layer)
+    sources/...          the vLLM source files the annotator reads, as the engine had them
+    session.json         optional: what ``pagedtrace run`` asked for and got back
+    replay.json          optional: ``pagedtrace replay``'s verdicts
+
+Nothing here pickles; torch and safetensors are imported only when tensors are
+read or written, so a report can be built where neither is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tracer.records import (
+    FORMAT_VERSION,
+    GapRecord,
+    RunInfo,
+    StepRecord,
+    TraceError,
+    record_from_json,
+    record_to_json,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+MANIFEST = "manifest.json"
+STEPS = "steps.jsonl"
+TENSORS_DIR = "tensors"
+SOURCES_DIR = "sources"
+SESSION = "session.json"
+REPLAY = "replay.json"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def tensor_file_name(step: int, layer: str) -> str:
+    """File name (under ``tensors/``) for one step's tensors of one layer."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in layer)
+    return f"step{step:06d}-{safe}.safetensors"
+
+
+class TraceWriter:
+    """Append records and tensors to a trace directory.
+
+    Used off the engine's hot path (the hooks queue, the writer writes). A tensor
+    byte budget stops tensor capture, never record capture, once spent.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, tensor_budget_bytes: int | None = None):
+        self.path = Path(path)
+        self.tensor_budget_bytes = tensor_budget_bytes
+        self.tensor_bytes = 0
+        self.budget_exhausted = False
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / TENSORS_DIR).mkdir(exist_ok=True)
+        self._steps = open(self.path / STEPS, "a", encoding="utf-8")
+
+    def write_manifest(self, run: RunInfo) -> None:
+        """Write (or rewrite) ``manifest.json`` atomically."""
+        _atomic_write_text(self.path / MANIFEST, json.dumps(run.to_json(), indent=2) + "\n")
+
+    def add_source(self, vllm_path: str, text: str) -> str:
+        """Store one vLLM source file; return its path relative to the trace directory."""
+        rel = f"{SOURCES_DIR}/{vllm_path}"
+        dest = self.path / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(text, encoding="utf-8")
+        return rel
+
+    def append(
+        self,
+        record: StepRecord | GapRecord,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+    ) -> StepRecord | GapRecord:
+        """Write ``tensors`` (if any, within budget) and one JSONL line; return the stored record."""
+        if tensors and isinstance(record, StepRecord):
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            budget = self.tensor_budget_bytes
+            if budget is not None and self.tensor_bytes + size > budget:
+                self.budget_exhausted = True
+            else:
+                from safetensors.torch import save_file
+
+                name = tensor_file_name(record.step, record.layer)
+                save_file(
+                    {k: v.contiguous() for k, v in tensors.items()},
+                    str(self.path / TENSORS_DIR / name),
+                    metadata={"format_version": str(FORMAT_VERSION), "layer": record.layer},
+                )
+                self.tensor_bytes += size
+                record = replace(record, tensors=name, tensor_names=tuple(sorted(tensors)))
+        self._steps.write(json.dumps(record_to_json(record), separators=(",", ":")) + "\n")
+        self._steps.flush()
+        return record
+
+    def write_json(self, name: str, data: Any) -> None:
+        """Write a side file such as ``session.json`` atomically."""
+        write_side_file(self.path, name, data)
+
+    def close(self) -> None:
+        """Close the JSONL file; the directory stays readable."""
+        self._steps.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class Trace:
+    """A trace directory, read.
+
+    ``problems`` lists what could not be read (a truncated last line, say) when
+    the trace was opened with ``strict=False``; everything valid is in
+    ``records`` and ``gaps``.
+    """
+
+    path: Path
+    run: RunInfo
+    records: list[StepRecord]
+    gaps: list[GapRecord]
+    problems: list[str] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, strict: bool = True) -> Trace:
+        """Read ``path``; raise ``TraceError`` on anything malformed (unless ``strict=False``
+        for the step lines, which then keeps the valid ones and lists the rest in ``problems``)."""
+        path = Path(path)
+        if not path.is_dir():
+            raise TraceError(f"{path}: not a trace directory")
+        run = read_manifest(path)
+        records: list[StepRecord] = []
+        gaps: list[GapRecord] = []
+        problems: list[str] = []
+        steps_path = path / STEPS
+        if steps_path.exists():
+            with open(steps_path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = record_from_json(json.loads(line))
+                    except (json.JSONDecodeError, TraceError, TypeError) as exc:
+                        what = "truncated or malformed" if isinstance(exc, json.JSONDecodeError) else str(exc)
+                        msg = f"{steps_path}: line {lineno}: {what}"
+                        if strict:
+                            raise TraceError(
+                                f"{msg} ({len(records) + len(gaps)} valid records before it; "
+                                "open with strict=False to read them)"
+                            ) from None
+                        problems.append(msg)
+                        continue
+                    (records if isinstance(rec, StepRecord) else gaps).append(rec)
+        return cls(path=path, run=run, records=records, gaps=gaps, problems=problems)
+
+    def steps(self, *, kind: str | None = None, layer: str | None = None) -> list[StepRecord]:
+        """Records, optionally only of one kind (``request`` ...) and/or one layer."""
+        return [
+            r
+            for r in self.records
+            if (kind is None or r.kind == kind) and (layer is None or r.layer == layer)
+        ]
+
+    @property
+    def layers(self) -> list[str]:
+        """Captured layer names, in first-seen order."""
+        return list(dict.fromkeys(r.layer for r in self.records))
+
+    def tensors(self, record: StepRecord) -> dict[str, torch.Tensor]:
+        """Load the tensors captured with ``record``; ``TraceError`` if there are none or the file is bad."""
+        if record.tensors is None:
+            raise TraceError(
+                f"step {record.step} layer {record.layer}: no tensors captured "
+                "(trace with tensors on, e.g. `pagedtrace run --tensors`)"
+            )
+        file = self.path / TENSORS_DIR / record.tensors
+        if not file.is_file():
+            raise TraceError(f"{file}: tensor file missing")
+        try:
+            from safetensors.torch import load_file
+
+            loaded = load_file(str(file))
+        except Exception as exc:  # safetensors raises its own error types
+            raise TraceError(f"{file}: cannot read tensors: {exc}") from None
+        missing = set(record.tensor_names) - loaded.keys()
+        if missing:
+            raise TraceError(f"{file}: tensors {sorted(missing)} missing")
+        return loaded
+
+    def source(self, vllm_path: str) -> str | None:
+        """Text of a stored vLLM source file, or None if the trace has none for it."""
+        entry = self.run.sources.get(vllm_path)
+        if entry is None:
+            return None
+        file = self.path / entry["file"]
+        return file.read_text(encoding="utf-8") if file.is_file() else None
+
+    def read_json(self, name: str) -> Any | None:
+        """A side file (``session.json``, ``replay.json``), or None if absent."""
+        file = self.path / name
+        if not file.is_file():
+            return None
+        try:
+            return json.loads(file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{file}: not valid JSON: {exc}") from None
+
+    def iter_with_tensors(self, **filters: Any) -> Iterator[tuple[StepRecord, dict[str, torch.Tensor]]]:
+        """Yield (record, tensors) for the records that have tensors."""
+        for rec in self.steps(**filters):
+            if rec.tensors is not None:
+                yield rec, self.tensors(rec)
+
+
+def read_manifest(path: Path) -> RunInfo:
+    """Read and version-check ``manifest.json``."""
+    file = path / MANIFEST
+    if not file.is_file():
+        raise TraceError(f"{path}: no {MANIFEST} (not a pagedtrace trace, or the engine never ran attention)")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{file}: not valid JSON: {exc}") from None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        raise TraceError(
+            f"{file}: trace format version {version!r}; this pagedtrace reads version {FORMAT_VERSION}"
+        )
+    return RunInfo.from_json(data)
+
+
+def write_side_file(path: str | os.PathLike[str], name: str, data: Any) -> None:
+    """Write a JSON side file (``session.json``, ``replay.json``) into a trace directory atomically."""
+    _atomic_write_text(Path(path) / name, json.dumps(data, indent=2) + "\n")
+
+
+def sha256_text(text: str) -> str:
+    """Hex sha256 of a text's UTF-8 bytes (stored beside each source file)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
