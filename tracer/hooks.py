@@ -52,6 +52,8 @@ RUNNER_TARGETS = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
 )
+#: vLLM's V2 runner warms up with fake requests named ``_warmup_<i>_``.
+WARMUP_REQ_PREFIX = "_warmup_"
 RUNNER_METHODS = ("execute_model", "_dummy_run", "profile_run", "capture_model", "prepare_inputs")
 
 #: Environment variables read by ``TracerOptions.from_env`` (and the plugin).
@@ -315,9 +317,11 @@ class Tracer:
                 tracer._runner = runner
                 tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
                 outer = tracer._phase[-1] if tracer._phase else None
-                # A dummy run inside profile_run is a profile step; inside execute_model it
-                # pads a data-parallel step and belongs to it.
-                effective = outer if (method == "_dummy_run" and outer in ("profile", "request")) else phase
+                # Nested calls belong to the outer step: the V2 runner's _dummy_run calls
+                # execute_model, profile_run and capture_model call _dummy_run, and the V1
+                # runner pads data-parallel steps with a _dummy_run inside execute_model.
+                nested = outer is not None and (tracer._depth > 0 or method == "_dummy_run")
+                effective = outer if nested else phase
                 new_step = counts_step and tracer._depth == 0
                 if new_step:
                     tracer.step += 1
@@ -393,7 +397,10 @@ class Tracer:
         return layer_name in sel or (idx is not None and idx in sel)
 
     def _wants_tensors(self) -> bool:
-        return self.options.tensors and self._kind() == "request"
+        if not (self.options.tensors and self._kind() == "request"):
+            return False
+        ids = self._v2_req_ids
+        return not (ids and all(r.startswith(WARMUP_REQ_PREFIX) for r in ids))
 
     def _on_forward(self, impl, layer, query, kv_cache, attn_metadata, output) -> None:
         name = getattr(layer, "layer_name", "") or f"layer{id(layer)}"
@@ -401,7 +408,7 @@ class Tracer:
             # Profile runs build no attention metadata: vLLM skips attention itself.
             if self._capture_gap_noted != self.step:
                 self._capture_gap_noted = self.step
-                self._record_gap(self._kind(), "no attention metadata (profile run: vLLM skips attention)", 0)
+                self._record_gap(self._kind(), "profile run: vLLM skips attention (attn_metadata is None)", 0)
             self._seen_in_step = True
             return
         if not self._wants(name):
@@ -451,9 +458,11 @@ class Tracer:
             dev["query"] = query[:n].detach().clone()
             dev["output"] = output[:n].detach().clone()
             dev.update(kv_in)
-        self._pending.append(
-            _Pending(self.step, self._kind(), name, impl, metadata, dev, kv_cache, self._req_ids(num_reqs))
-        )
+        req_ids = self._req_ids(num_reqs)
+        kind = self._kind()
+        if kind == "request" and req_ids and all(r.startswith(WARMUP_REQ_PREFIX) for r in req_ids):
+            kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
+        self._pending.append(_Pending(self.step, kind, name, impl, metadata, dev, kv_cache, req_ids))
 
     def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
         ids: Any = self._v2_req_ids
@@ -467,12 +476,15 @@ class Tracer:
 
     def _end_step(self, method: str, kind: str, args: tuple, kwargs: dict) -> None:
         try:
-            if not self._seen_in_step and method == "execute_model" and self._in_step_range():
-                sched = args[0] if args else kwargs.get("scheduler_output")
-                num = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
-                if num > 0:
-                    self._record_gap(kind, "cuda-graph-replay: attention ran inside a CUDA graph, "
-                                     "Python forward() was not called", num)
+            if not self._seen_in_step and self._in_step_range():
+                if method == "execute_model":
+                    sched = args[0] if args else kwargs.get("scheduler_output")
+                    num = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+                    if num > 0:
+                        self._record_gap(kind, "cuda-graph-replay: attention ran inside a CUDA graph, "
+                                         "Python forward() was not called", num)
+                elif kind == "profile":
+                    self._record_gap(kind, "profile run: vLLM skips attention", 0)
             self._flush()
         except Exception as exc:  # noqa: BLE001
             self._warn_once(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
@@ -617,13 +629,16 @@ def _dtype_name(dtype: Any) -> str:
 def _physical_order(kv_cache: Any, layout: str) -> str:
     if layout == "cpu":
         return "(blocks, heads, [K^T (D, tokens) | V (tokens, D)])"
+    if layout == "cpu_amx":
+        return "(blocks, heads, [K | V] packed in AMX tiles)"
     return "(blocks, tokens, heads, K|V)" if layout == "flash_nhd" else "(blocks, heads, tokens, K|V)"
 
 
 def kv_layout_of(impl: Any, kv_cache: Any) -> str:
     """Name the layout of ``kv_cache`` as the backend ``impl`` reads it."""
     if type(impl).__name__ == "CPUAttentionBackendImpl":
-        return "cpu"
+        # The CPU kernel's ISA decides the packing: "amx" tiles K and V differently.
+        return "cpu_amx" if getattr(impl, "isa", None) == "amx" else "cpu"
     stride = kv_cache.stride()
     # logical (blocks, heads, tokens, 2D): NHD keeps the heads dim inside a token
     return "flash_nhd" if stride[1] < stride[2] else "flash_hnd"

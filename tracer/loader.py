@@ -10,11 +10,16 @@ units and each query attends to a few keys.
 
 from __future__ import annotations
 
+from typing import Any
+
 LOAD_FORMAT = "pagedtrace_random"
 #: Seed of the re-initialisation: the same preset always gives the same weights.
 SEED = 1234
 #: Standard deviation factor (times 1/sqrt(fan_in)) for ``qkv_proj``.
 QKV_GAIN = 1.5
+
+#: Standard deviation of embedding / lm_head weights.
+EMBED_STD = 0.05
 
 _registered = False
 
@@ -23,18 +28,28 @@ def reinit_weights(model, seed: int = SEED) -> None:
     """Re-initialise ``model``'s floating-point parameters in place (deterministic)."""
     import torch
 
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    generators: dict[Any, Any] = {}
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if not param.is_floating_point():
                 continue
+            # One seeded generator per device: drawing 7B weights on the host takes minutes.
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+
+            def randn():
+                return torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32)
+
             if param.dim() == 1:
-                value = torch.ones(param.shape) if "norm" in name else 0.02 * torch.randn(param.shape, generator=gen)
+                value = torch.ones_like(param, dtype=torch.float32) if "norm" in name else 0.02 * randn()
             elif "embed" in name or "lm_head" in name:
-                value = torch.randn(param.shape, generator=gen)
+                # Small next to what the layers add: with tied embeddings a residual stream
+                # dominated by the input embedding makes greedy decoding repeat its last token.
+                value = EMBED_STD * randn()
             else:
                 gain = QKV_GAIN if "qkv" in name or "q_proj" in name or "k_proj" in name else 1.0
-                value = torch.randn(param.shape, generator=gen) * (gain / param.shape[-1] ** 0.5)
+                value = randn() * (gain / param.shape[-1] ** 0.5)
             param.copy_(value.to(param.dtype))
 
 

@@ -30,8 +30,9 @@ STEP_KINDS = ("profile", "warmup", "request")
 #: ``flash_nhd`` / ``flash_hnd``: FlashAttention's packed ``(num_blocks, H_kv,
 #: block_size, 2*D)`` with K in ``[..., :D]`` and V in ``[..., D:]``, physically
 #: (blocks, tokens, heads, K|V) or (blocks, heads, tokens, K|V). ``cpu``: the
-#: CPU backend's per-(block, head) ``K^T [D][bs]`` then ``V [bs][D]``.
-LAYOUTS = ("flash_nhd", "flash_hnd", "cpu")
+#: CPU backend's per-(block, head) ``K^T [D][bs]`` then ``V [bs][D]`` (its ``vec`` ISA);
+#: ``cpu_amx``: the same regions packed for AMX tiles (ISA ``amx``, bf16, block_size % 32 == 0).
+LAYOUTS = ("flash_nhd", "flash_hnd", "cpu", "cpu_amx")
 
 
 #: vLLM source files stored in every trace (paths relative to site-packages), so the

@@ -31,13 +31,16 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 #: Environment for a quiet, loopback-only engine (vLLM's own variables).
 QUIET_ENV = {
-    "TORCH_COMPILE_DISABLE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
 }
+
+
+#: CUDA-graph batch sizes captured when a graph mode is asked for.
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class SessionResult:
     engine_start_s: float
     generate_s: float
     model_name: str
+    frontend_pid: int = field(default_factory=os.getpid)  #: the process that called vLLM
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -160,6 +164,9 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
     """
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    if cfg.enforce_eager:
+        # Eager runs need no torch.compile; without this vLLM still compiles its sampler (~10 s on CPU).
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if cfg.multiprocess else "0"
     trace_dir = Path(cfg.trace_dir)
     workdir = Path(tempfile.mkdtemp(prefix="pagedtrace-model-"))
@@ -200,7 +207,9 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.cudagraph_mode and not cfg.enforce_eager:
-            kwargs["compilation_config"] = {"cudagraph_mode": cfg.cudagraph_mode}
+            # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs.
+            kwargs["compilation_config"] = {"cudagraph_mode": cfg.cudagraph_mode,
+                                            "cudagraph_capture_sizes": list(CAPTURE_SIZES)}
         llm = LLM(**kwargs)
         engine_s = time.perf_counter() - t0
         notify("phase", "generate", None)

@@ -1,0 +1,185 @@
+"""Time the reference kernels on a synthetic 7B-shaped replay.
+
+Builds, in memory, a trace-like workload: ``--steps`` engine steps, each a varlen batch of
+about ``--batch`` decoding sequences (lengths ``--min-len``..``--max-len``), with a
+chunked-prefill chunk mixed into every ``--prefill-every``-th step, all paged through a
+shuffled block pool. Then replays every step through ``paged_attention_fast`` and a
+random sample of steps through ``paged_attention_loop`` (extrapolated by KV tokens read),
+and prints steps/s, KV bytes/s and the speed-up. Figures only, no asserts::
+
+    python benchmarks/replay.py --steps 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reference_impl import paged_attention_fast, paged_attention_loop  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One engine step's attention metadata, vLLM's names."""
+
+    block_table: torch.Tensor  #: [B, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  #: [B] int32, keys per sequence (new tokens included)
+    query_start_loc: torch.Tensor  #: [B + 1] int32
+    num_actual_tokens: int  #: query rows, query_start_loc[-1]
+    kv_tokens: int  #: sum(seq_lens): keys read by the step
+
+
+@dataclasses.dataclass
+class _Seq:
+    blocks: list[int]
+    length: int  #: tokens in the cache before this step
+    target: int  #: length at which the sequence finishes
+
+
+def build_workload(args: argparse.Namespace) -> tuple[list[Step], int]:
+    """Simulate a scheduler: returns the steps and the number of physical blocks used."""
+    rng = random.Random(args.seed)
+    bs = args.block_size
+    max_blocks = -(-(args.max_len + args.prefill_chunk) // bs)
+    num_blocks = (args.batch + 2) * max_blocks
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # physical blocks come back in no particular order, as in vLLM
+
+    def new_seq(length: int, target: int) -> _Seq:
+        seq = _Seq([], 0, target)
+        grow(seq, length)
+        return seq
+
+    def grow(seq: _Seq, length: int) -> None:
+        while len(seq.blocks) * bs < length:
+            seq.blocks.append(free.pop())
+        seq.length = length
+
+    def release(seq: _Seq) -> None:
+        free.extend(seq.blocks)
+        rng.shuffle(free)
+
+    def new_decode() -> _Seq:
+        # A sequence joins decoding somewhere in [min_len, max_len) and leaves within a
+        # few hundred tokens, never past max_len.
+        length = rng.randint(args.min_len, args.max_len - 1)
+        return new_seq(length, min(args.max_len, length + rng.randint(16, 400)))
+
+    running = [new_decode() for _ in range(args.batch)]
+    prefill: _Seq | None = None
+    steps = []
+    for step in range(args.steps):
+        rows: list[tuple[list[int], int, int]] = []  # (blocks, seq_len, query_len)
+        for seq in running:
+            grow(seq, seq.length + 1)
+            rows.append((seq.blocks, seq.length, 1))
+        if args.prefill_every and step % args.prefill_every == 0:
+            if prefill is None:
+                prefill = new_seq(0, rng.randint(args.min_len, args.max_len))
+            chunk = min(args.prefill_chunk, prefill.target - prefill.length)
+            grow(prefill, prefill.length + chunk)
+            rows.append((prefill.blocks, prefill.length, chunk))
+            if prefill.length >= prefill.target:
+                release(prefill)
+                prefill = None
+        for i, seq in enumerate(running):
+            if seq.length >= seq.target:
+                release(seq)
+                running[i] = new_decode()
+        width = max(len(blocks) for blocks, _, _ in rows)
+        table = torch.zeros(len(rows), width, dtype=torch.int32)
+        for r, (blocks, _, _) in enumerate(rows):
+            table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        seq_lens = torch.tensor([s for _, s, _ in rows], dtype=torch.int32)
+        qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor([q for _, _, q in rows]).cumsum(0)
+        steps.append(Step(table, seq_lens, qsl, int(qsl[-1]), int(seq_lens.sum())))
+    return steps, num_blocks
+
+
+def replay(kernel, steps, query_pool, key_cache, value_cache, scale) -> float:
+    """Seconds to run ``kernel`` over ``steps``."""
+    start = time.perf_counter()
+    for step in steps:
+        kernel(
+            query_pool[: step.num_actual_tokens], key_cache, value_cache, step.block_table,
+            step.seq_lens, step.query_start_loc, scale=scale,
+        )
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=8, help="decoding sequences per step")
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=2000)
+    parser.add_argument("--prefill-every", type=int, default=25,
+                        help="add a chunked-prefill chunk every N steps (0: never)")
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--loop-every", type=int, default=50,
+                        help="time paged_attention_loop on one step in N (a seeded random sample)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    steps, num_blocks = build_workload(args)
+    gen = torch.Generator().manual_seed(args.seed)
+    dtype = DTYPES[args.dtype]
+    cache_shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_size)
+    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    max_rows = max(s.num_actual_tokens for s in steps)
+    query_pool = torch.randn(max_rows, args.num_heads, args.head_size, generator=gen).to(dtype)
+    scale = args.head_size ** -0.5
+
+    elem = key_cache.element_size()
+    kv_row_bytes = 2 * args.num_kv_heads * args.head_size * elem  # K and V of one token
+    total_kv = sum(s.kv_tokens for s in steps)
+    total_rows = sum(s.num_actual_tokens for s in steps)
+    print(f"workload: {len(steps)} steps, {total_rows} query rows, {total_kv} KV tokens read "
+          f"({total_kv * kv_row_bytes / 1e9:.2f} GB), cache {num_blocks} blocks x "
+          f"{args.block_size} tokens, H={args.num_heads} H_kv={args.num_kv_heads} "
+          f"D={args.head_size} {args.dtype}, torch threads {torch.get_num_threads()}")
+
+    replay(paged_attention_fast, steps[:3], query_pool, key_cache, value_cache, scale)
+    fast_s = replay(paged_attention_fast, steps, query_pool, key_cache, value_cache, scale)
+    print(f"fast: {fast_s:.2f} s for {len(steps)} steps = {len(steps) / fast_s:.1f} steps/s, "
+          f"{total_kv * kv_row_bytes / fast_s / 1e9:.2f} GB/s of KV")
+
+    # A seeded random sample: a stride could line up with the prefill period.
+    sample_ids = sorted(random.Random(args.seed).sample(
+        range(len(steps)), max(1, len(steps) // max(args.loop_every, 1))))
+    sample = [steps[i] for i in sample_ids]
+    sample_kv = sum(s.kv_tokens for s in sample)
+    loop_s = replay(paged_attention_loop, sample, query_pool, key_cache, value_cache, scale)
+    fast_sample_s = replay(paged_attention_fast, sample, query_pool, key_cache, value_cache,
+                           scale)
+    loop_full_s = loop_s * total_kv / sample_kv
+    print(f"loop: {loop_s:.2f} s for {len(sample)} sampled steps "
+          f"({sample_kv} KV tokens) -> {loop_full_s:.1f} s extrapolated to all steps, "
+          f"{len(steps) / loop_full_s:.2f} steps/s")
+    print(f"speed-up fast/loop: {loop_full_s / fast_s:.1f}x over the whole run "
+          f"({loop_s / fast_sample_s:.1f}x on the same sampled steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

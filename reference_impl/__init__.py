@@ -1,0 +1,84 @@
+"""Torch-only reference for vLLM 0.26's PagedAttention, to replay recorded traces.
+
+Two modules, importing nothing but torch and the standard library (never vllm):
+
+:mod:`reference_impl.layouts`
+    Readers and writers for the KV-cache layouts vLLM allocates (FlashAttention packed
+    NHD/HND, the CPU backend's K^T|V regions and their AMX packing, the legacy ``[.., D/x, bs, x]`` split, fp8
+    bytes), all converted to the canonical ``[num_blocks, block_size, H_kv, D]`` K and V
+    caches, plus a description of each layout's memory for the reports.
+:mod:`reference_impl.kernel`
+    Paged attention as a readable block loop with online softmax, as a fast batched
+    gather, and split into partitions merged by log-sum-exp; a dense reference; and
+    tolerance helpers that measure error against a low-precision baseline.
+"""
+
+from reference_impl.kernel import (
+    combine_partitions,
+    compare,
+    dense_attention,
+    paged_attention_fast,
+    paged_attention_loop,
+    paged_attention_partitioned,
+    tolerance,
+)
+from reference_impl.layouts import (
+    LAYOUT_CPU,
+    LAYOUT_CPU_AMX,
+    LAYOUT_FLASH_HND,
+    LAYOUT_FLASH_NHD,
+    LAYOUT_LEGACY,
+    LAYOUTS,
+    ComponentView,
+    LayoutDescription,
+    StoredTensor,
+    cpu_amx_to_kv,
+    cpu_layout_for,
+    cpu_to_kv,
+    dequant_fp8,
+    describe_layout,
+    element_offset,
+    flash_strides,
+    flash_to_kv,
+    kv_to_cpu,
+    kv_to_cpu_amx,
+    kv_to_flash,
+    kv_to_legacy,
+    legacy_to_kv,
+    legacy_x,
+    read_kv,
+)
+
+__all__ = [
+    "LAYOUT_CPU",
+    "LAYOUT_CPU_AMX",
+    "LAYOUT_FLASH_HND",
+    "LAYOUT_FLASH_NHD",
+    "LAYOUT_LEGACY",
+    "LAYOUTS",
+    "ComponentView",
+    "LayoutDescription",
+    "StoredTensor",
+    "combine_partitions",
+    "compare",
+    "cpu_amx_to_kv",
+    "cpu_layout_for",
+    "cpu_to_kv",
+    "dense_attention",
+    "dequant_fp8",
+    "describe_layout",
+    "element_offset",
+    "flash_strides",
+    "flash_to_kv",
+    "kv_to_cpu",
+    "kv_to_cpu_amx",
+    "kv_to_flash",
+    "kv_to_legacy",
+    "legacy_to_kv",
+    "legacy_x",
+    "paged_attention_fast",
+    "paged_attention_loop",
+    "paged_attention_partitioned",
+    "read_kv",
+    "tolerance",
+]

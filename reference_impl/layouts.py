@@ -1,0 +1,660 @@
+"""Readers and writers for the paged KV-cache layouts that vLLM 0.26 really allocates.
+
+Every kernel in :mod:`reference_impl.kernel` reads one canonical form::
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]   ("NHD")
+
+which is what ``FlashAttentionImpl.forward`` gets from
+``kv_cache.transpose(1, 2).split(head_size, dim=-1)``. This module converts that form
+to and from the layouts the backends keep in memory:
+
+``flash_nhd`` / ``flash_hnd``
+    FlashAttention's packed cache, logical shape ``(num_blocks, H_kv, block_size, 2*D)``
+    with K in ``[..., :D]`` and V in ``[..., D:]``. ``get_kv_cache_stride_order`` picks the
+    physical order: NHD ``(0, 2, 1, 3)`` keeps memory as (blocks, tokens, heads, K|V), HND
+    ``(0, 1, 2, 3)`` as (blocks, heads, tokens, K|V).
+``cpu``
+    The ``CPU_ATTN`` backend: same logical shape ``(num_blocks, H_kv, block_size, 2*D)``,
+    contiguous, but each (block, kv head) region of ``2*block_size*D`` elements is
+    ``view(nb, H, 2*bs, D).chunk(2, dim=2)``: first half K stored transposed ``[D][bs]``
+    (what ``cpu_attn_reshape_and_cache`` writes for the ``vec``/``vec16`` ISAs), second
+    half V ``[bs][D]``. This is what the ``vec`` and ``vec16`` ISAs use.
+``cpu_amx``
+    The same backend on a CPU with AMX tiles, for bf16 caches with ``block_size % 32 == 0``
+    and ``head_size % 32 == 0`` (``_get_attn_isa`` returns ``"amx"``): the same regions,
+    VNNI-packed in pairs of bf16 for the tile loads: K as ``[bs/16][D/2][16][2]``
+    (token tile, dim pair, token, dim within pair), V as ``[D/16][bs/2][16][2]``
+    (dim tile, token pair, dim, token within pair). :func:`cpu_layout_for` picks between
+    the two CPU layouts the way vLLM does.
+``legacy``
+    ``PagedAttention.split_kv_cache`` (``vllm/v1/attention/ops/paged_attn.py``): key
+    ``[num_blocks, H_kv, D/x, block_size, x]`` with ``x = 16 // element_size`` (16-byte
+    vectors), value ``[num_blocks, H_kv, D, block_size]``.
+
+All conversions copy and are exact (they only move elements); a uint8 fp8 cache moves as
+bytes. :func:`describe_layout` and :func:`element_offset` give the memory picture the
+reports draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "LAYOUT_FLASH_NHD",
+    "LAYOUT_FLASH_HND",
+    "LAYOUT_CPU",
+    "LAYOUT_CPU_AMX",
+    "LAYOUT_LEGACY",
+    "LAYOUTS",
+    "ComponentView",
+    "StoredTensor",
+    "LayoutDescription",
+    "flash_strides",
+    "flash_to_kv",
+    "kv_to_flash",
+    "cpu_to_kv",
+    "kv_to_cpu",
+    "cpu_amx_to_kv",
+    "kv_to_cpu_amx",
+    "cpu_layout_for",
+    "legacy_x",
+    "kv_to_legacy",
+    "legacy_to_kv",
+    "describe_layout",
+    "element_offset",
+    "dequant_fp8",
+    "read_kv",
+]
+
+LAYOUT_FLASH_NHD = "flash_nhd"
+LAYOUT_FLASH_HND = "flash_hnd"
+LAYOUT_CPU = "cpu"
+LAYOUT_CPU_AMX = "cpu_amx"
+LAYOUT_LEGACY = "legacy"
+#: Every layout name a trace may store, in the order reports list them.
+LAYOUTS = (LAYOUT_FLASH_NHD, LAYOUT_FLASH_HND, LAYOUT_CPU, LAYOUT_CPU_AMX, LAYOUT_LEGACY)
+
+# vLLM's get_kv_cache_stride_order: the permutation from the logical shape
+# (num_blocks, H_kv, block_size, 2*D) to the physical (allocation) order.
+_FLASH_STRIDE_ORDER = {
+    LAYOUT_FLASH_NHD: (0, 2, 1, 3),
+    LAYOUT_FLASH_HND: (0, 1, 2, 3),
+}
+_FLASH_NAMES = {"NHD": LAYOUT_FLASH_NHD, "HND": LAYOUT_FLASH_HND}
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """A freshly allocated row-major copy of ``t``.
+
+    ``.contiguous()`` may keep a view whose size-1 dims carry other strides; a cache
+    vLLM allocates always has the plain row-major ones.
+    """
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+def _flash_layout_name(layout: str) -> str:
+    name = _FLASH_NAMES.get(layout, layout)
+    if name not in _FLASH_STRIDE_ORDER:
+        raise ValueError(f"unknown FlashAttention layout {layout!r}; use 'NHD' or 'HND'")
+    return name
+
+
+def _check_kv_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, H_kv, D]; "
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"key/value dtypes differ: {key_cache.dtype} vs {value_cache.dtype}")
+
+
+# --------------------------------------------------------------------------- flash
+
+
+def flash_strides(
+    num_blocks: int, num_kv_heads: int, block_size: int, head_size: int, layout: str = "NHD"
+) -> tuple[int, int, int, int]:
+    """Element strides of FlashAttention's logical ``(nb, H_kv, bs, 2*D)`` cache.
+
+    ``layout`` is ``"NHD"``/``"flash_nhd"`` or ``"HND"``/``"flash_hnd"``. The strides are
+    those of the tensor vLLM hands the backend: allocated contiguous in the physical order,
+    then permuted back to the logical shape.
+    """
+    order = _FLASH_STRIDE_ORDER[_flash_layout_name(layout)]
+    logical = (num_blocks, num_kv_heads, block_size, 2 * head_size)
+    physical = [logical[i] for i in order]
+    physical_strides = [0] * 4
+    step = 1
+    for axis in range(3, -1, -1):
+        physical_strides[axis] = step
+        step *= physical[axis]
+    strides = [0] * 4
+    for physical_axis, logical_axis in enumerate(order):
+        strides[logical_axis] = physical_strides[physical_axis]
+    return tuple(strides)  # type: ignore[return-value]
+
+
+def flash_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a FlashAttention packed cache into the canonical K and V caches.
+
+    Args:
+        kv_cache: ``[num_blocks, H_kv, block_size, 2*D]``, any strides (NHD or HND
+            physical order); read through logical indexing only.
+        head_size: ``D``.
+
+    Returns:
+        ``(key_cache, value_cache)``, each ``[num_blocks, block_size, H_kv, D]``, contiguous
+        copies in ``kv_cache.dtype``.
+    """
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(
+            f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}"
+        )
+    # Same view FlashAttentionImpl.forward takes: transpose(1, 2).split(D, -1).
+    key_view, value_view = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return key_view.contiguous(), value_view.contiguous()
+
+
+def kv_to_flash(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str = "NHD"
+) -> torch.Tensor:
+    """Pack canonical K and V caches into FlashAttention's cache with real vLLM strides.
+
+    Args:
+        key_cache: ``[num_blocks, block_size, H_kv, D]``.
+        value_cache: ``[num_blocks, block_size, H_kv, D]``.
+        layout: ``"NHD"``/``"flash_nhd"`` or ``"HND"``/``"flash_hnd"``.
+
+    Returns:
+        ``[num_blocks, H_kv, block_size, 2*D]`` whose strides equal
+        :func:`flash_strides` for ``layout`` (allocated in physical order, then permuted to
+        the logical shape, as vLLM's ``_reshape_kv_cache_tensors`` does).
+    """
+    _check_kv_pair(key_cache, value_cache)
+    order = _FLASH_STRIDE_ORDER[_flash_layout_name(layout)]
+    # logical: [nb, H, bs, 2D]
+    logical_values = torch.cat([key_cache, value_cache], dim=-1).transpose(1, 2)
+    physical = _packed(logical_values.permute(*order))
+    inverse = [order.index(axis) for axis in range(4)]
+    return physical.permute(*inverse)
+
+
+# --------------------------------------------------------------------------- cpu
+
+
+def cpu_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the ``CPU_ATTN`` backend's cache into the canonical K and V caches.
+
+    Args:
+        kv_cache: ``[num_blocks, H_kv, block_size, 2*D]``; its elements are taken in
+            row-major order (the backend's tensor is contiguous): per (block, kv head),
+            ``D*block_size`` elements of K^T ``[D][bs]`` then ``block_size*D`` of V
+            ``[bs][D]``.
+        head_size: ``D``.
+
+    Returns:
+        ``(key_cache, value_cache)``, each ``[num_blocks, block_size, H_kv, D]``,
+        contiguous, in ``kv_cache.dtype``.
+    """
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(
+            f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}"
+        )
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    region = kv_cache.reshape(num_blocks, num_kv_heads, 2 * block_size * head_size)
+    half = block_size * head_size
+    key_t = region[..., :half].reshape(num_blocks, num_kv_heads, head_size, block_size)
+    value = region[..., half:].reshape(num_blocks, num_kv_heads, block_size, head_size)
+    key_cache = key_t.permute(0, 3, 1, 2).contiguous()
+    value_cache = value.permute(0, 2, 1, 3).contiguous()
+    return key_cache, value_cache
+
+
+def kv_to_cpu(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+    """Write canonical K and V caches in the ``CPU_ATTN`` backend's layout.
+
+    Args:
+        key_cache: ``[num_blocks, block_size, H_kv, D]``.
+        value_cache: ``[num_blocks, block_size, H_kv, D]``.
+
+    Returns:
+        Contiguous ``[num_blocks, H_kv, block_size, 2*D]`` holding, per (block, kv head),
+        K^T ``[D][bs]`` then V ``[bs][D]``.
+    """
+    _check_kv_pair(key_cache, value_cache)
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    key_t = key_cache.permute(0, 2, 3, 1).reshape(num_blocks, num_kv_heads, -1)  # [nb,H,D*bs]
+    value = value_cache.permute(0, 2, 1, 3).reshape(num_blocks, num_kv_heads, -1)  # [nb,H,bs*D]
+    region = torch.cat([key_t, value], dim=-1)
+    return _packed(region.reshape(num_blocks, num_kv_heads, block_size, 2 * head_size))
+
+
+def _check_amx_shape(block_size: int, head_size: int) -> None:
+    if block_size % 16 or head_size % 16:
+        raise ValueError(
+            f"the AMX layout tiles by 16: block_size {block_size} and head_size {head_size} "
+            "must be multiples of 16"
+        )
+
+
+def cpu_amx_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the ``CPU_ATTN`` backend's AMX-packed cache into the canonical K and V caches.
+
+    Args:
+        kv_cache: ``[num_blocks, H_kv, block_size, 2*D]`` taken in row-major order: per
+            (block, kv head), K as ``[bs/16][D/2][16][2]`` then V as ``[D/16][bs/2][16][2]``.
+        head_size: ``D``.
+
+    Returns:
+        ``(key_cache, value_cache)``, each ``[num_blocks, block_size, H_kv, D]``, contiguous.
+    """
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(
+            f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}"
+        )
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    _check_amx_shape(block_size, head_size)
+    nb, nh, bs, d = num_blocks, num_kv_heads, block_size, head_size
+    region = kv_cache.reshape(nb, nh, 2 * bs * d)
+    # K: (block, head, token tile, dim pair, token in tile, dim in pair)
+    key = region[..., : bs * d].reshape(nb, nh, bs // 16, d // 2, 16, 2)
+    key_cache = key.permute(0, 2, 4, 1, 3, 5).reshape(nb, bs, nh, d)
+    # V: (block, head, dim tile, token pair, dim in tile, token in pair)
+    value = region[..., bs * d :].reshape(nb, nh, d // 16, bs // 2, 16, 2)
+    value_cache = value.permute(0, 3, 5, 1, 2, 4).reshape(nb, bs, nh, d)
+    return key_cache.contiguous(), value_cache.contiguous()
+
+
+def kv_to_cpu_amx(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+    """Write canonical K and V caches in the ``CPU_ATTN`` backend's AMX packing.
+
+    Args:
+        key_cache: ``[num_blocks, block_size, H_kv, D]``.
+        value_cache: ``[num_blocks, block_size, H_kv, D]``.
+
+    Returns:
+        Contiguous ``[num_blocks, H_kv, block_size, 2*D]``: per (block, kv head), K as
+        ``[bs/16][D/2][16][2]`` then V as ``[D/16][bs/2][16][2]``.
+    """
+    _check_kv_pair(key_cache, value_cache)
+    nb, bs, nh, d = key_cache.shape
+    _check_amx_shape(bs, d)
+    key = key_cache.reshape(nb, bs // 16, 16, nh, d // 2, 2).permute(0, 3, 1, 4, 2, 5)
+    value = value_cache.reshape(nb, bs // 2, 2, nh, d // 16, 16).permute(0, 3, 4, 1, 5, 2)
+    region = torch.cat([key.reshape(nb, nh, -1), value.reshape(nb, nh, -1)], dim=-1)
+    return _packed(region.reshape(nb, nh, bs, 2 * d))
+
+
+def cpu_layout_for(
+    dtype: torch.dtype, block_size: int, head_size: int, amx_supported: bool
+) -> str:
+    """Which CPU layout vLLM 0.26's ``_get_attn_isa`` leads to on an x86 host.
+
+    ``amx_supported`` is ``torch.cpu._is_amx_tile_supported()`` on the traced host. A head
+    size that is a multiple of 16 but not 32 takes ``vec16``; bf16 with AMX and
+    ``block_size % 32 == 0`` takes ``amx``; everything else ``vec``. Only ``amx`` packs
+    differently.
+    """
+    if head_size % 32 != 0 and head_size % 16 == 0:
+        return LAYOUT_CPU
+    if amx_supported and dtype == torch.bfloat16 and block_size % 32 == 0:
+        return LAYOUT_CPU_AMX
+    return LAYOUT_CPU
+
+
+# --------------------------------------------------------------------------- legacy
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def legacy_x(dtype: torch.dtype) -> int:
+    """``x = 16 // element_size``: elements per 16-byte vector in the legacy key cache."""
+    return 16 // _element_size(dtype)
+
+
+def kv_to_legacy(
+    key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write canonical caches in ``PagedAttention.split_kv_cache``'s layout.
+
+    Args:
+        key_cache: ``[num_blocks, block_size, H_kv, D]``; ``D`` divisible by
+            ``x = legacy_x(dtype)``.
+        value_cache: ``[num_blocks, block_size, H_kv, D]``.
+
+    Returns:
+        ``(key_legacy, value_legacy)``: contiguous ``[num_blocks, H_kv, D/x, block_size, x]``
+        and ``[num_blocks, H_kv, D, block_size]``.
+    """
+    _check_kv_pair(key_cache, value_cache)
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    x = legacy_x(key_cache.dtype)
+    if head_size % x:
+        raise ValueError(f"head_size {head_size} is not a multiple of x={x}")
+    key_legacy = _packed(
+        key_cache.reshape(num_blocks, block_size, num_kv_heads, head_size // x, x).permute(0, 2, 3, 1, 4)
+    )
+    value_legacy = _packed(value_cache.permute(0, 2, 3, 1))
+    return key_legacy, value_legacy
+
+
+def legacy_to_kv(
+    key_legacy: torch.Tensor, value_legacy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read ``PagedAttention.split_kv_cache``'s caches into the canonical form.
+
+    Args:
+        key_legacy: ``[num_blocks, H_kv, D/x, block_size, x]``.
+        value_legacy: ``[num_blocks, H_kv, D, block_size]``.
+
+    Returns:
+        ``(key_cache, value_cache)``, each ``[num_blocks, block_size, H_kv, D]``, contiguous.
+    """
+    if key_legacy.dim() != 5 or value_legacy.dim() != 4:
+        raise ValueError(
+            "expected key [nb, H_kv, D/x, bs, x] and value [nb, H_kv, D, bs]; got "
+            f"{tuple(key_legacy.shape)} and {tuple(value_legacy.shape)}"
+        )
+    num_blocks, num_kv_heads, d_over_x, block_size, x = key_legacy.shape
+    if x != legacy_x(key_legacy.dtype):
+        raise ValueError(f"last key dim is {x}, expected x={legacy_x(key_legacy.dtype)}")
+    key_cache = key_legacy.permute(0, 3, 1, 2, 4).reshape(
+        num_blocks, block_size, num_kv_heads, d_over_x * x
+    )
+    value_cache = value_legacy.permute(0, 3, 1, 2).contiguous()
+    return key_cache.contiguous(), value_cache
+
+
+def _split_legacy_stacked(
+    kv_cache: torch.Tensor, num_kv_heads: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Mirrors PagedAttention.split_kv_cache on a (2, num_blocks, ...) tensor.
+    x = legacy_x(kv_cache.dtype)
+    num_blocks = kv_cache.shape[1]
+    key_legacy = kv_cache[0].reshape(num_blocks, num_kv_heads, head_size // x, -1, x)
+    value_legacy = kv_cache[1].reshape(num_blocks, num_kv_heads, head_size, -1)
+    return key_legacy, value_legacy
+
+
+# --------------------------------------------------------------------------- description
+
+
+@dataclasses.dataclass(frozen=True)
+class ComponentView:
+    """Where K (or V) of one layout lives, as a strided view of a stored tensor's memory.
+
+    ``offset(idx) = storage_offset + sum(i * s for i, s in zip(idx, strides))`` in elements
+    of the stored tensor, with ``idx`` named by ``dims``.
+    """
+
+    component: str  #: "k" or "v"
+    tensor: str  #: name of the stored tensor it lives in: "kv_cache", "key_cache", "value_cache"
+    dims: tuple[str, ...]  #: index names, e.g. ("block", "head", "dim", "token")
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  #: elements
+    storage_offset: int  #: elements
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """One tensor a backend allocates for a layer's cache."""
+
+    name: str  #: "kv_cache", "key_cache" or "value_cache"
+    logical_shape: tuple[int, ...]  #: shape as the backend indexes it
+    strides: tuple[int, ...]  #: elements, of that logical shape
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutDescription:
+    """What a report needs to draw one layout: tensors, strides and memory order."""
+
+    layout: str  #: one of LAYOUTS
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int  #: tokens per block
+    head_size: int  #: D
+    element_size: int  #: bytes per element
+    memory_order: str  #: outermost to innermost, e.g. "(blocks, tokens, heads, K|V)"
+    tensors: tuple[StoredTensor, ...]
+    k_view: ComponentView
+    v_view: ComponentView
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V bytes of one physical block over all kv heads."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.element_size
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all stored tensors together."""
+        return sum(t.numel for t in self.tensors) * self.element_size
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def describe_layout(
+    layout: str,
+    num_blocks: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_size: int,
+    element_size: int = 2,
+) -> LayoutDescription:
+    """Describe ``layout`` for ``(num_blocks, H_kv, block_size, D)`` and an element size.
+
+    ``element_size`` (bytes) matters only for ``legacy``, where it sets
+    ``x = 16 // element_size``.
+    """
+    nb, nh, bs, d = num_blocks, num_kv_heads, block_size, head_size
+    if layout in _FLASH_STRIDE_ORDER:
+        shape = (nb, nh, bs, 2 * d)
+        strides = flash_strides(nb, nh, bs, d, layout)
+        tensors = (StoredTensor("kv_cache", shape, strides, nb * nh * bs * 2 * d),)
+        dims = ("block", "head", "token", "dim")
+        view_strides = strides
+        k_view = ComponentView("k", "kv_cache", dims, (nb, nh, bs, d), view_strides, 0)
+        v_view = ComponentView("v", "kv_cache", dims, (nb, nh, bs, d), view_strides, d)
+        memory_order = (
+            "(blocks, tokens, heads, K|V)"
+            if layout == LAYOUT_FLASH_NHD
+            else "(blocks, heads, tokens, K|V)"
+        )
+    elif layout == LAYOUT_CPU:
+        shape = (nb, nh, bs, 2 * d)
+        tensors = (StoredTensor("kv_cache", shape, _contiguous_strides(shape), nb * nh * bs * 2 * d),)
+        region = 2 * bs * d
+        k_view = ComponentView(
+            "k", "kv_cache", ("block", "head", "dim", "token"), (nb, nh, d, bs),
+            (nh * region, region, bs, 1), 0,
+        )
+        v_view = ComponentView(
+            "v", "kv_cache", ("block", "head", "token", "dim"), (nb, nh, bs, d),
+            (nh * region, region, d, 1), bs * d,
+        )
+        memory_order = "(blocks, heads, [K^T (dim, tokens) | V (tokens, dim)])"
+    elif layout == LAYOUT_CPU_AMX:
+        _check_amx_shape(bs, d)
+        shape = (nb, nh, bs, 2 * d)
+        tensors = (StoredTensor("kv_cache", shape, _contiguous_strides(shape), nb * nh * bs * 2 * d),)
+        region = 2 * bs * d
+        k_view = ComponentView(
+            "k", "kv_cache",
+            ("block", "head", "token // 16", "dim // 2", "token % 16", "dim % 2"),
+            (nb, nh, bs // 16, d // 2, 16, 2),
+            (nh * region, region, 16 * d, 32, 2, 1), 0,
+        )
+        v_view = ComponentView(
+            "v", "kv_cache",
+            ("block", "head", "dim // 16", "token // 2", "dim % 16", "token % 2"),
+            (nb, nh, d // 16, bs // 2, 16, 2),
+            (nh * region, region, 16 * bs, 32, 2, 1), bs * d,
+        )
+        memory_order = (
+            "(blocks, heads, [K (tokens/16, dim/2, 16 tokens, 2 dims) | "
+            "V (dim/16, tokens/2, 16 dims, 2 tokens)])"
+        )
+    elif layout == LAYOUT_LEGACY:
+        x = 16 // element_size
+        if d % x:
+            raise ValueError(f"head_size {d} is not a multiple of x={x}")
+        key_shape = (nb, nh, d // x, bs, x)
+        value_shape = (nb, nh, d, bs)
+        key_strides = _contiguous_strides(key_shape)
+        value_strides = _contiguous_strides(value_shape)
+        tensors = (
+            StoredTensor("key_cache", key_shape, key_strides, nb * nh * d * bs),
+            StoredTensor("value_cache", value_shape, value_strides, nb * nh * d * bs),
+        )
+        k_view = ComponentView(
+            "k", "key_cache", ("block", "head", "dim // x", "token", "dim % x"),
+            key_shape, key_strides, 0,
+        )
+        v_view = ComponentView(
+            "v", "value_cache", ("block", "head", "dim", "token"), value_shape, value_strides, 0
+        )
+        memory_order = (
+            f"key: (blocks, heads, dim/{x}, tokens, {x}); value: (blocks, heads, dim, tokens)"
+        )
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    return LayoutDescription(
+        layout=layout,
+        num_blocks=nb,
+        num_kv_heads=nh,
+        block_size=bs,
+        head_size=d,
+        element_size=element_size,
+        memory_order=memory_order,
+        tensors=tensors,
+        k_view=k_view,
+        v_view=v_view,
+    )
+
+
+def element_offset(
+    layout: str,
+    block: int,
+    head: int,
+    token: int,
+    dim: int,
+    which: str = "k",
+    *,
+    num_kv_heads: int,
+    block_size: int,
+    head_size: int,
+    element_size: int = 2,
+) -> int:
+    """Flat element offset of ``K[block, token, head, dim]`` (or V) in ``layout``'s memory.
+
+    The offset counts elements from the start of the stored tensor named by
+    ``describe_layout(...).k_view.tensor`` (``kv_cache`` for flash and cpu; ``key_cache``
+    or ``value_cache`` for legacy). Multiply by ``element_size`` for bytes.
+    """
+    if which not in ("k", "v"):
+        raise ValueError(f"which must be 'k' or 'v', got {which!r}")
+    # num_blocks does not enter any offset, so describe a single block's worth.
+    desc = describe_layout(layout, block + 1, num_kv_heads, block_size, head_size, element_size)
+    view = desc.k_view if which == "k" else desc.v_view
+    x = 16 // element_size
+    named = {
+        "block": block,
+        "head": head,
+        "token": token,
+        "dim": dim,
+        "dim // x": dim // x,
+        "dim % x": dim % x,
+        "token // 16": token // 16,
+        "token % 16": token % 16,
+        "dim // 2": dim // 2,
+        "dim % 2": dim % 2,
+        "dim // 16": dim // 16,
+        "dim % 16": dim % 16,
+        "token // 2": token // 2,
+        "token % 2": token % 2,
+    }
+    if not (0 <= token < block_size and 0 <= dim < head_size and 0 <= head < num_kv_heads):
+        raise IndexError(
+            f"token {token}, dim {dim}, head {head} outside block_size {block_size}, "
+            f"head_size {head_size}, num_kv_heads {num_kv_heads}"
+        )
+    index = [named[name] for name in view.dims]
+    for i, size in zip(index, view.shape):
+        if not 0 <= i < size:
+            raise IndexError(f"index {dict(zip(view.dims, index))} outside {view.shape}")
+    return view.storage_offset + sum(i * s for i, s in zip(index, view.strides))
+
+
+# --------------------------------------------------------------------------- fp8 + dispatch
+
+
+def dequant_fp8(cache_uint8: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Read fp8 (e4m3fn) bytes and scale them to fp32.
+
+    Args:
+        cache_uint8: any shape, dtype ``uint8`` (vLLM's storage for ``kv_cache_dtype="fp8"``)
+            or ``float8_e4m3fn``.
+        scale: the layer's ``k_scale`` / ``v_scale``; a float or a tensor broadcastable to
+            the cache.
+
+    Returns:
+        Same shape as ``cache_uint8``, fp32: ``e4m3(byte) * scale``.
+    """
+    if cache_uint8.dtype == torch.uint8:
+        values = cache_uint8.view(torch.float8_e4m3fn)
+    elif cache_uint8.dtype == torch.float8_e4m3fn:
+        values = cache_uint8
+    else:
+        raise TypeError(f"expected uint8 or float8_e4m3fn storage, got {cache_uint8.dtype}")
+    return values.to(torch.float32) * torch.as_tensor(scale, dtype=torch.float32)
+
+
+def read_kv(
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    layout: str,
+    head_size: int,
+    num_kv_heads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read any recorded layout into canonical ``[num_blocks, block_size, H_kv, D]`` K, V.
+
+    Args:
+        kv_cache: for ``flash_nhd``/``flash_hnd``/``cpu``/``cpu_amx``, the layer's
+            ``[num_blocks, H_kv, block_size, 2*D]`` tensor; for ``legacy``, either
+            ``(key_legacy, value_legacy)`` or the stacked ``(2, num_blocks, ...)`` tensor
+            ``split_kv_cache`` receives (then ``num_kv_heads`` is required).
+        layout: one of :data:`LAYOUTS`. Both flash names read by logical indexing, so the
+            name only documents the physical order.
+        head_size: ``D``.
+        num_kv_heads: only for a stacked legacy tensor.
+
+    Returns:
+        ``(key_cache, value_cache)`` in the stored dtype (uint8 fp8 stays uint8).
+    """
+    if layout in (LAYOUT_FLASH_NHD, LAYOUT_FLASH_HND):
+        return flash_to_kv(kv_cache, head_size)  # type: ignore[arg-type]
+    if layout == LAYOUT_CPU:
+        return cpu_to_kv(kv_cache, head_size)  # type: ignore[arg-type]
+    if layout == LAYOUT_CPU_AMX:
+        return cpu_amx_to_kv(kv_cache, head_size)  # type: ignore[arg-type]
+    if layout == LAYOUT_LEGACY:
+        if isinstance(kv_cache, torch.Tensor):
+            if num_kv_heads is None:
+                raise ValueError("a stacked legacy cache needs num_kv_heads")
+            kv_cache = _split_legacy_stacked(kv_cache, num_kv_heads, head_size)
+        key_legacy, value_legacy = kv_cache
+        return legacy_to_kv(key_legacy, value_legacy)
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")

@@ -1,0 +1,13 @@
+"""Static HTML reports of a trace: view models, then templates.
+
+jinja2 only (plus ``annotations`` and ``tracer.records`` / ``tracer.store``);
+a report builds from a trace directory alone.
+
+* ``viewmodel``: pure functions from a ``Trace`` to page dataclasses;
+* ``build``: ``build_report(trace_dir, out_dir) -> Path`` renders and writes them.
+"""
+
+from reports.build import BuildResult, build_report, render_site, write_report
+from reports.viewmodel import Site, build_site
+
+__all__ = ["BuildResult", "Site", "build_report", "build_site", "render_site", "write_report"]

