@@ -196,6 +196,7 @@ class Tracer:
         self._depth = 0
         self._phase: list[str] = []
         self._seen_in_step = False
+        self._seen_layers: set[str] = set()
         self._capture_gap_noted = -1
         self._v2_req_ids: tuple[str, ...] | None = None
         self.stats = {"records": 0, "gaps": 0, "tensor_files": 0}
@@ -326,6 +327,7 @@ class Tracer:
                 if new_step:
                     tracer.step += 1
                     tracer._seen_in_step = False
+                    tracer._seen_layers.clear()
                     tracer._v2_req_ids = None
                 tracer._phase.append(effective)
                 tracer._depth += counts_step
@@ -404,11 +406,19 @@ class Tracer:
 
     def _on_forward(self, impl, layer, query, kv_cache, attn_metadata, output) -> None:
         name = getattr(layer, "layer_name", "") or f"layer{id(layer)}"
+        if name in self._seen_layers:
+            # The same layer again without a runner step around it: a new forward pass
+            # (the V2 runner's CUDA-graph warm-up and capture loop calls the model directly).
+            self.step += 1
+            self._seen_layers.clear()
+        self._seen_layers.add(name)
         if attn_metadata is None:
             # Profile runs build no attention metadata: vLLM skips attention itself.
             if self._capture_gap_noted != self.step:
                 self._capture_gap_noted = self.step
-                self._record_gap(self._kind(), "profile run: vLLM skips attention (attn_metadata is None)", 0)
+                kind = self._kind()
+                why = "profile run" if kind == "profile" else "warm-up pass"
+                self._record_gap(kind, f"attn_metadata is None: vLLM skips attention in this {why}", 0)
             self._seen_in_step = True
             return
         if not self._wants(name):
@@ -706,7 +716,7 @@ def build_run_info(tracer: Tracer, p: _Pending | None, sources: dict[str, dict[s
                 stride_order = tuple(backend_cls.get_kv_cache_stride_order())
             except Exception:  # noqa: BLE001 - CPU backend has none
                 stride_order = None
-        layer_names = sorted({q.layer for q in tracer._pending} | {p.layer})
+        layer_names = _attention_layers(cfg) or sorted({q.layer for q in tracer._pending} | {p.layer})
         layer_obj = _layer_obj(cfg, p.layer)
         kv = KVCacheSpec(
             layer_names=tuple(layer_names),
@@ -746,6 +756,16 @@ def build_run_info(tracer: Tracer, p: _Pending | None, sources: dict[str, dict[s
         sources=sources,
         extra={"pid": os.getpid()},
     )
+
+
+def _attention_layers(cfg: Any) -> list[str]:
+    """Names of the model's attention layers (they share one KV-cache spec here)."""
+    try:
+        ctx = cfg.compilation_config.static_forward_context
+    except Exception:  # noqa: BLE001
+        return []
+    names = [n for n, mod in ctx.items() if hasattr(mod, "impl") and hasattr(mod, "kv_cache")]
+    return sorted(names, key=lambda n: (layer_index(n) if layer_index(n) is not None else 1 << 30, n))
 
 
 def _layer_obj(cfg: Any, name: str) -> Any:
