@@ -558,15 +558,22 @@ class Tracer:
         if self._write_failed:
             return
         try:
-            if self._writer is None:
-                self._writer = TraceWriter(self.options.directory, tensor_budget_bytes=self.options.budget_bytes)
-            stored = self._writer.append(record, tensors)
+            stored = self._writer_or_new().append(record, tensors)
             if getattr(stored, "tensors", None):
                 self.stats["tensor_files"] += 1
         except OSError as exc:
             self._write_failed = True
             self._warn_once(f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; "
                             "tracing stops, the engine runs on")
+
+    def _writer_or_new(self) -> TraceWriter:
+        if self._writer is None:
+            directory = Path(self.options.directory)
+            rank = _tp_rank()
+            if rank:  # tensor-parallel workers other than rank 0 write a trace of their own
+                directory = directory / f"rank{rank}"
+            self._writer = TraceWriter(directory, tensor_budget_bytes=self.options.budget_bytes)
+        return self._writer
 
     def _warn_once(self, message: str) -> None:
         if not getattr(self, "_warned", False):
@@ -582,14 +589,13 @@ class Tracer:
         if self._write_failed:
             return
         try:
-            if self._writer is None:
-                self._writer = TraceWriter(self.options.directory, tensor_budget_bytes=self.options.budget_bytes)
+            writer = self._writer_or_new()
             sources = {}
             for rel in SOURCE_FILES:
                 text = _vllm_source(rel)
                 if text is not None:
-                    sources[rel] = {"file": self._writer.add_source(rel, text), "sha256": sha256_text(text)}
-            self._writer.write_manifest(build_run_info(self, p, sources))
+                    sources[rel] = {"file": writer.add_source(rel, text), "sha256": sha256_text(text)}
+            writer.write_manifest(build_run_info(self, p, sources))
             self._manifest_written = True
         except OSError as exc:
             self._write_failed = True
@@ -604,13 +610,32 @@ class Tracer:
             self._writer = None
 
 
-def _capturing() -> bool:
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - not initialised: a single process
+        return 0
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_available() -> bool:
+    # Asked once: torch.cuda.is_available() costs ~0.3 ms a call, too much for every forward.
     try:
         import torch
 
-        return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        return bool(torch.cuda.is_available())
     except Exception:  # noqa: BLE001
         return False
+
+
+def _capturing() -> bool:
+    if not _cuda_available():
+        return False
+    import torch
+
+    return bool(torch.cuda.is_current_stream_capturing())
 
 
 def _import_attr(module_name: str, attr: str) -> Any:

@@ -33,7 +33,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 QUIET_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
 }
@@ -41,6 +40,10 @@ QUIET_ENV = {
 
 #: CUDA-graph batch sizes captured when a graph mode is asked for.
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+class SessionError(Exception):
+    """The session could not run (bad model, engine failed to start): one line for the user."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,8 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
     t = None
     try:
         model_path, load_format, vocab, preset_len = resolve_model(cfg.model, workdir)
+        if Path(model_path).is_dir():
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")  # presets and local dirs need no hub
         os.environ["PAGEDTRACE_MODEL_NAME"] = cfg.model
         os.environ["PAGEDTRACE_WEIGHTS"] = (
             "dummy + pagedtrace_random re-init (seeded normal; attention far from uniform)"
@@ -210,7 +215,12 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
             # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs.
             kwargs["compilation_config"] = {"cudagraph_mode": cfg.cudagraph_mode,
                                             "cudagraph_capture_sizes": list(CAPTURE_SIZES)}
-        llm = LLM(**kwargs)
+        try:
+            llm = LLM(**kwargs)
+        except Exception as exc:  # vLLM raises many types; the user needs the first line
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise SessionError(f"vLLM could not start an engine for {cfg.model!r}: "
+                               f"{type(exc).__name__}: {first}") from exc
         engine_s = time.perf_counter() - t0
         notify("phase", "generate", None)
         t1 = time.perf_counter()

@@ -1,10 +1,16 @@
-"""``pagedtrace replay``: rerun every recorded step's attention and judge vLLM's output."""
+"""``pagedtrace replay``: rerun every recorded step's attention and judge vLLM's output.
+
+With ``--kernel MODULE:FUNCTION`` the roles turn: the user's kernel runs on every
+captured step and is judged by the same bar (``reference_impl.testing.check_trace``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -41,9 +47,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "math in bf16), check the KV write path bit for bit and the legacy x-split layout. "
                     "Exit code 0: all match; 1: a mismatch; 2: the trace cannot be replayed.")
     p.add_argument("trace", metavar="TRACE", help="trace directory (from `pagedtrace run`, tensors on)")
-    p.add_argument("--kernel", choices=KERNEL_CHOICES, default="fast",
+    p.add_argument("--kernel", default="fast", metavar="KERNEL",
                    help="reference form: fast (batched gather), loop (the kernel's block loop), "
-                        "partitioned (v2 split + log-sum-exp merge) (default: %(default)s)")
+                        "partitioned (v2 split + log-sum-exp merge) (default: %(default)s); or "
+                        "MODULE:FUNCTION (e.g. mypkg.attn:paged_attention, ./attn.py:paged_attention): "
+                        "check your own kernel, signature as reference_impl.kernel, on every captured "
+                        "request step instead of vLLM (replay.json is not written)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="with a MODULE:FUNCTION kernel: move its inputs to DEVICE (e.g. cuda) first")
     p.add_argument("--steps", type=_steps, default=None, metavar="START:STOP",
                    help="replay only these step indices (half-open, e.g. 0:10)")
     p.add_argument("--layers", type=_layers, default=None, metavar="LAYERS",
@@ -56,9 +67,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Replay with a progress bar, print the table (or JSON), save ``replay.json``; 0 if all ok."""
+    from pagedtrace.cli import UsageError
     from reference_impl.replay import replay_trace, save_report
     from tracer.store import Trace
 
+    if args.kernel not in KERNEL_CHOICES:
+        if ":" not in args.kernel:
+            raise UsageError(f"unknown kernel {args.kernel!r}: use one of {', '.join(KERNEL_CHOICES)} "
+                             "or MODULE:FUNCTION")
+        return run_user_kernel(args, console)
+    if args.device is not None:
+        raise UsageError("--device applies to a MODULE:FUNCTION kernel only (the reference runs on the CPU)")
     trace = Trace.open(args.trace)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True,
@@ -139,3 +158,72 @@ def _summary(report) -> str:
     return (f"[bold red]MISMATCH[/]: {bad_steps}/{n} step(s) outside tolerance, "
             f"{bad_writes}/{len(report.write_path)} write path(s) wrong, "
             f"{bad_legacy}/{len(report.legacy)} legacy round trip(s) differ; {report.seconds:.2f} s")
+
+
+# --------------------------------------------------------------------------- a user's kernel
+
+
+def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
+    """Check ``--kernel MODULE:FUNCTION`` on every captured request step; 0 if all match, 1 if not."""
+    from pagedtrace.cli import UsageError
+    from reference_impl.testing import check_trace, load_kernel
+    from tracer.store import Trace
+
+    # As ``python -m`` does: a kernel module in the current directory imports.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = load_kernel(args.kernel)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    trace = Trace.open(args.trace)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True,
+                  disable=args.json or not console.is_terminal) as progress:
+        task = progress.add_task(f"checking {args.kernel} on {trace.path.name}", total=None)
+
+        def on_case(done: int, total: int, result) -> None:
+            progress.update(task, total=total, completed=done)
+            if not result.ok and not args.json:
+                progress.console.log(f"[red]mismatch[/] step {result.step} {result.layer}: "
+                                     f"max abs {_num(result.max_abs)} > tol {_num(result.tol)}"
+                                     + (f" ({result.note})" if result.note else ""))
+
+        report = check_trace(fn, trace, steps=args.steps, layers=args.layers, device=args.device,
+                             name=args.kernel, progress=on_case)
+    if args.json:
+        console.out(json.dumps(report.to_json(), indent=2), highlight=False)
+        return 0 if report.ok else 1
+    console.print(build_kernel_table(report))
+    console.print(_kernel_summary(report))
+    return 0 if report.ok else 1
+
+
+def build_kernel_table(report) -> Table:
+    """One row per checked (step, layer): the kernel's error against the reference and vLLM's output."""
+    table = Table(title=f"{report.kernel} on {report.trace} (KV layout {report.layout})")
+    for col in ("step", "layer", "reqs", "tokens", "max abs", "max rel", "tol", "vs vLLM", "heads ok",
+                "worst", "verdict"):
+        table.add_column(col, justify="right" if col in ("step", "reqs", "tokens", "max abs", "max rel", "tol",
+                                                         "vs vLLM") else "left", no_wrap=col in ("layer", "worst"))
+    for r in report.results:
+        heads_ok = len(r.heads) - len(r.bad_heads)
+        heads = f"{heads_ok}/{len(r.heads)}" if r.heads and heads_ok == len(r.heads) else (
+            f"[red]{heads_ok}/{len(r.heads)}[/]" if r.heads else "[dim]-[/]")
+        # (token, head, dim, request) -> "head 2 tok 185 req 1"
+        worst = "[dim]-[/]" if r.worst is None else f"head {r.worst[1]} tok {r.worst[0]} req {r.worst[3]}"
+        table.add_row(str(r.step), r.layer, str(r.num_reqs), str(r.num_tokens), _num(r.max_abs),
+                      _num(r.max_rel), _num(r.tol), _num(r.vllm_max_abs), heads, worst, _mark(r.ok))
+    return table
+
+
+def _kernel_summary(report) -> str:
+    n = len(report.results)
+    if report.ok:
+        worst = max(report.results, key=lambda r: r.max_abs / r.tol if r.tol > 0 else math.inf)
+        return (f"[bold green]{report.kernel} matches vLLM on all {n} step(s)[/] "
+                f"(worst: step {worst.step}, max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
+                f"max rel {_num(worst.max_rel)}); {report.seconds:.2f} s")
+    bad = [r for r in report.results if not r.ok]
+    return (f"[bold red]MISMATCH[/]: {len(bad)}/{n} step(s) outside tolerance; {report.seconds:.2f} s\n"
+            f"first: {bad[0].message()}")

@@ -68,7 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     """Run the session with progress bars, then print the summary."""
     from pagedtrace.cli import UsageError
-    from tracer.session import SessionConfig, run_session
+    from tracer.session import SessionConfig, SessionError, run_session
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
         try:
             result = run_session(cfg, on_event)
-        except (ValueError, FileExistsError) as exc:
+        except (ValueError, FileExistsError, SessionError) as exc:
             raise UsageError(str(exc)) from None
     progress.console.log(f"engine start {result.engine_start_s:.1f} s, generation {result.generate_s:.1f} s")
     trace = Trace.open(out)
