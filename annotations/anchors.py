@@ -46,8 +46,10 @@ FILE_ROLES: dict[str, str] = {
     "and unified_attention_with_output (read path) look up the layer's KV cache and call the backend.",
     FLASH_ATTN: "The FlashAttention backend (CUDA): do_kv_cache_update scatters new K/V with "
     "reshape_and_cache_flash; forward calls flash_attn_varlen_func on the paged cache.",
-    CPU_ATTN: "The CPU backend: per (block, head) K^T [D][bs] then V [bs][D]; "
-    "cpu_attn_reshape_and_cache writes, cpu_attention_with_kv_cache reads.",
+    # The CPU packing depends on the ISA; ``annotations.annotate.file_role`` names the traced one.
+    CPU_ATTN: "The CPU backend: per (block, head) region the key half, then the value half (K^T [D][bs] "
+    "then V [bs][D] for the vec/vec16 ISAs; AMX-packed K [bs/16][D/2][16][2] then V [D/16][bs/2][16][2] "
+    "for bf16 with block_size % 32 == 0); cpu_attn_reshape_and_cache writes, cpu_attention_with_kv_cache reads.",
     PAGED_ATTN: "The legacy PagedAttention helper (ROCm / older layouts). Not called on vLLM 0.26's "
     "FlashAttention or CPU path; values here are computed for the captured cache.",
     BLOCK_TABLE: "The worker's block table: compute_slot_mapping launches a Triton kernel that turns "

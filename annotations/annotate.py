@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from annotations.anchors import ANNOTATED_FILES, CPU_ATTN, FILE_ROLES, FLASH_ATTN, OFF_PATH_FILES
+from annotations.anchors import ANNOTATED_FILES, CPU_ATTN, FILE_ROLES, FLASH_ATTN, OFF_PATH_FILES, PAGED_ATTN
 from annotations.locate import LocatedSource, locate
-from annotations.values import Value, value_for
+from annotations.values import CPU_LAYOUTS, Value, cpu_region_text, split_kv_cache_summary, value_for
 from tracer.records import RunInfo, StepRecord, TraceError
 from tracer.store import sha256_text
 
@@ -116,14 +116,30 @@ def on_path(vllm_path: str, run: RunInfo) -> bool:
     return prefix is None or prefix in run.attention_backend.rsplit(".", 1)[-1]
 
 
+def file_role(vllm_path: str, run: RunInfo) -> str:
+    """What ``vllm_path`` is, in one line; the CPU backend's line names the packing this trace recorded."""
+    spec = run.kv_cache
+    if vllm_path == CPU_ATTN and spec is not None and spec.layout in CPU_LAYOUTS:
+        return (
+            f"The CPU backend (this trace: layout {spec.layout}): per (block, head) region "
+            f"{cpu_region_text(spec.layout, spec.block_size, spec.head_size)}; cpu_attn_reshape_and_cache "
+            "writes, cpu_attention_with_kv_cache reads."
+        )
+    return FILE_ROLES.get(vllm_path, "")
+
+
 def file_notes(vllm_path: str, run: RunInfo, sha256: str | None = None) -> tuple[str, ...]:
     """File-level remarks: the file's role, whether this run executes it, source mismatches."""
     notes = []
-    if vllm_path in FILE_ROLES:
-        notes.append(FILE_ROLES[vllm_path])
+    role = file_role(vllm_path, run)
+    if role:
+        notes.append(role)
     backend = run.attention_backend.rsplit(".", 1)[-1]
     if vllm_path in OFF_PATH_FILES:
-        notes.append("vLLM 0.26 does not run this file on the FlashAttention or CPU path.")
+        if vllm_path == PAGED_ATTN and run.kv_cache is not None:
+            notes.append(split_kv_cache_summary(run.kv_cache))
+        elif not role:
+            notes.append("vLLM 0.26 does not run this file on the FlashAttention or CPU path.")
     elif not on_path(vllm_path, run):
         notes.append(
             f"This trace ran {backend}, not this backend: the values show what this code "

@@ -260,6 +260,28 @@ def _cpu_view(rec, run, spec: KVCacheSpec) -> Value:
     return Value(f"(nb, H, 2*bs, D) {v.describe()}", "computed")
 
 
+#: The CPU backend's two packings (``tracer.records.LAYOUTS``): vec/vec16 ISAs, and AMX tiles.
+CPU_LAYOUTS = ("cpu", "cpu_amx")
+
+
+def cpu_region_text(layout: str, block_size: int, head_size: int) -> str | None:
+    """How the CPU kernel packs one (block, kv head) region in ``layout``; None for a non-CPU layout.
+
+    ``cpu``: K transposed then V; ``cpu_amx``: both halves VNNI-packed in pairs of bf16
+    for the AMX tile loads (``reference_impl.layouts.cpu_amx_to_kv``).
+    """
+    bs, d = block_size, head_size
+    if layout == "cpu":
+        return f"K^T [{d}][{bs}] in the key half, then V [{bs}][{d}] in the value half"
+    if layout == "cpu_amx":
+        return (
+            f"AMX-packed: K as [bs/16][D/2][16][2] = [{bs // 16}][{d // 2}][16][2] (token tile, dim pair, "
+            f"token, dim in pair) in the key half, then V as [D/16][bs/2][16][2] = [{d // 16}][{bs // 2}][16][2] "
+            "(dim tile, token pair, dim, token in pair) in the value half"
+        )
+    return None
+
+
 @_needs_spec
 def _cpu_chunk(rec, run, spec: KVCacheSpec) -> Value:
     nb, h, bs, _ = spec.shape
@@ -267,11 +289,12 @@ def _cpu_chunk(rec, run, spec: KVCacheSpec) -> Value:
         key, value = cache_view(spec).view(nb, h, bs * 2, -1).chunk(2, 2)
     except ViewError as exc:
         return Value(f"would fail: {exc}", "computed")
-    return Value(
-        f"key_cache {key.describe()}; value_cache {value.describe()}; per (block, head) the kernel "
-        f"stores K^T [{spec.head_size}][{bs}] in the key half, V [{bs}][{spec.head_size}] in the value half",
-        "computed",
-    )
+    text = f"key_cache {key.describe()}; value_cache {value.describe()}"
+    region = cpu_region_text(spec.layout, bs, spec.head_size)
+    if region is not None:
+        # The views are only the halves; the element order inside them is the kernel's (the layout).
+        text += f"; per (block, head) the kernel stores {region} ({spec.layout})"
+    return Value(text, "computed")
 
 
 def _split_not_called(rec, run) -> Value:
@@ -315,25 +338,56 @@ def _split_value_index(rec, run, spec: KVCacheSpec) -> Value:
     return Value(_index_text(spec, 1, '"all values"'), "computed")
 
 
-def _legacy_view(spec: KVCacheSpec, index: int, shape: tuple[int, ...], shown: str) -> Value:
+def _legacy_view(spec: KVCacheSpec, index: int, shape: tuple[int, ...], shown: str, meant: str) -> Value:
     try:
         view = cache_view(spec).select(0, index).view(*shape)
     except ViewError as exc:
-        return Value(f"{COMPUTED_PREFIX}{shown} would fail: {exc}", "computed")
-    return Value(f"{COMPUTED_PREFIX}{shown} gives {view.describe()} (a reinterpretation of block {index})", "computed")
+        return Value(
+            f"{COMPUTED_PREFIX}{shown} would fail in torch (RuntimeError: {exc}): block {index}'s "
+            f"(H, bs, 2D) strides {_tup(cache_view(spec).stride[1:])} cannot be viewed as {meant}, so the "
+            "legacy split does not even run on this cache",
+            "computed",
+        )
+    return Value(
+        f"{COMPUTED_PREFIX}{shown} gives {view.describe()}: only block {index}'s "
+        f"{view.numel} elements relabelled as {meant}; dim 0 (meant as num_blocks) walks block {index}'s "
+        f"{spec.shape[1]} heads: nonsense, not the cache",
+        "computed",
+    )
 
 
 @_needs_spec
 def _split_key_view(rec, run, spec: KVCacheSpec) -> Value:
     x = 16 // spec.element_size
     shape = (spec.shape[1], spec.num_kv_heads, spec.head_size // x, -1, x)
-    return _legacy_view(spec, 0, shape, f"view{_tup(shape)}")
+    return _legacy_view(spec, 0, shape, f"view{_tup(shape)}", f"(num_blocks, H, D/{x}, bs, {x}) keys")
 
 
 @_needs_spec
 def _split_value_view(rec, run, spec: KVCacheSpec) -> Value:
     shape = (spec.shape[1], spec.num_kv_heads, spec.head_size, -1)
-    return _legacy_view(spec, 1, shape, f"view{_tup(shape)}")
+    return _legacy_view(spec, 1, shape, f"view{_tup(shape)}", "(num_blocks, H, D, bs) values")
+
+
+def split_kv_cache_summary(spec: KVCacheSpec) -> str:
+    """One plain sentence: what ``PagedAttention.split_kv_cache`` would make of the captured cache."""
+    x = 16 // spec.element_size
+    views = []
+    for index, shape in ((0, (spec.shape[1], spec.num_kv_heads, spec.head_size // x, -1, x)),
+                         (1, (spec.shape[1], spec.num_kv_heads, spec.head_size, -1))):
+        try:
+            cache_view(spec).select(0, index).view(*shape)
+        except ViewError:
+            views.append(f"view{_tup(shape)} would fail in torch")
+        else:
+            views.append(f"view{_tup(shape)} would relabel block {index} alone")
+    return (
+        f"Had it been called on this run's cache {_tup(spec.shape)} {spec.dtype}: x = 16 // {spec.element_size} = "
+        f"{x}; num_blocks = kv_cache.shape[1] = {spec.shape[1]} (that is num_kv_heads, not the {spec.num_blocks} "
+        f"blocks); kv_cache[0] is block 0 and kv_cache[1] block 1, not all keys and all values; "
+        f"{views[0]} and {views[1]}. The result would be nonsense: this code expects the legacy "
+        "(2, num_blocks, ...) cache, which vLLM 0.26 no longer allocates."
+    )
 
 
 @_needs_step

@@ -9,6 +9,7 @@ HTML; ``reports.build`` renders and writes.
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import io
 import keyword
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from annotations.anchors import ANNOTATED_FILES, FILE_ROLES
-from annotations.annotate import file_notes, on_path
+from annotations.anchors import ANNOTATED_FILES
+from annotations.annotate import file_notes, file_role, on_path
 from annotations.locate import LocatedSource, locate
 from annotations.values import fmt_list, value_for
 from tracer.records import KVCacheSpec, RunInfo, StepRecord, TraceError
@@ -416,10 +417,133 @@ def layout_view(spec: KVCacheSpec | None) -> LayoutView | None:
             strip.row(y, f"block {b}", groups)
             y += row_h
         caption = "One row per block; per (block, head) the CPU kernel stores K transposed, then V."
+    elif spec.layout == "cpu_amx":
+        formulas = _amx_formulas(spec)
+        described = describe_amx(spec)
+        if described is None:
+            return LayoutView(spec.layout, spec.physical_order, summary, dims, formulas, (), 0, 0, (
+                f"Per (block, head) region of {2 * bs * d} elements: K packed as [bs/16][D/2][16][2] = "
+                f"[{bs // 16}][{d // 2}][16][2] (token tile, dim pair, token, dim in pair), then V as "
+                f"[D/16][bs/2][16][2] = [{d // 16}][{bs // 2}][16][2] (dim tile, token pair, dim, token in pair): "
+                "pairs of bf16 side by side for the AMX tile loads. (No drawing: reference_impl.layouts, which "
+                "needs torch, could not be imported when this report was built.)"))
+        y = _amx_rows(strip, spec, described, blocks, y, row_h)
+        caption = (
+            f"One row per block; per (block, head) the AMX kernel packs K in {bs // 16} token tile(s) of 16 tokens "
+            f"x {d} dims, then V in {d // 16} dim tile(s) of 16 dims x {bs} tokens. Inside a tile, elements go in "
+            "pairs (two dims of one token for K, two tokens of one dim for V), 16 pairs per row: the last row "
+            "shows the first elements of block 0, head 0 in memory order. Offsets from "
+            "reference_impl.layouts.describe_layout / element_offset."
+        )
     else:
         return LayoutView(spec.layout, spec.physical_order, summary, dims, (), (), 0, 0, f"no drawing for layout {spec.layout!r}")
     return LayoutView(spec.layout, spec.physical_order, summary, dims, formulas, tuple(strip.boxes),
                       strip.width + 4, y, caption)
+
+
+def _amx_formulas(spec: KVCacheSpec) -> tuple[str, ...]:
+    """Element offsets of K[b, t, h, d] and V[b, t, h, d] in the AMX packing (plain arithmetic, no torch)."""
+    s0, s1 = spec.stride[0], spec.stride[1]
+    bs, d = spec.block_size, spec.head_size
+    return (
+        f"K[b, t, h, d] at element b*{s0} + h*{s1} + (t//16)*{16 * d} + (d//2)*32 + (t%16)*2 + d%2",
+        f"V[b, t, h, d] at element b*{s0} + h*{s1} + {bs * d} + (d//16)*{16 * bs} + (t//2)*32 + (d%16)*2 + t%2",
+    )
+
+
+def describe_amx(spec: KVCacheSpec) -> tuple[Any, Any] | None:
+    """``(reference_impl.layouts, its describe_layout(...) for spec)``, or None without torch.
+
+    The reference layouts module imports torch; a report must build without it, so the
+    import happens here, at build time, and only for the layout that needs it.
+    """
+    try:
+        layouts = importlib.import_module("reference_impl.layouts")
+    except ImportError:
+        return None
+    try:
+        desc = layouts.describe_layout(spec.layout, spec.num_blocks, spec.num_kv_heads, spec.block_size,
+                                       spec.head_size, spec.element_size)
+    except ValueError:
+        return None
+    return layouts, desc
+
+
+def _unravel(offset: int, view: Any) -> dict[str, int]:
+    """``token`` / ``dim`` at ``offset`` elements into one (block, head) region half of ``view``.
+
+    The view's inner dims (after block and head) are contiguous in memory order and
+    named ``token // 16``, ``dim % 2`` ...; unravelling ``offset`` and summing the parts
+    gives the logical token and dim.
+    """
+    out = {"token": 0, "dim": 0}
+    rest = offset
+    sizes = view.shape[2:]
+    for name, size in zip(reversed(view.dims[2:]), reversed(sizes)):
+        rest, i = divmod(rest, size)
+        var, _, tail = name.partition(" ")
+        if tail.startswith("//"):
+            out[var] += i * int(tail.split()[-1])
+        else:
+            out[var] += i
+    return out
+
+
+def _amx_rows(strip: _Strip, spec: KVCacheSpec, described: Any, blocks: list[int | None], y: int, row_h: int) -> int:
+    """Draw the AMX packing: tiles per (block, head), then block 0 / head 0's first elements."""
+    layouts, desc = described
+    bs, d, h = spec.block_size, spec.head_size, spec.num_kv_heads
+    k_view, v_view = desc.k_view, desc.v_view
+
+    def offset(b: int, hh: int, t: int, dim: int, which: str) -> int:
+        return layouts.element_offset(spec.layout, b, hh, t, dim, which, num_kv_heads=h, block_size=bs,
+                                      head_size=d, element_size=spec.element_size)
+
+    for b in blocks:
+        if b is None:
+            strip.boxes.append(Box(_LEFT, y, 30, _BOX_H, "…", "gap", "more blocks"))
+            y += _BOX_H + 4
+            continue
+        groups = []
+        for hh in _pick(h):
+            if hh is None:
+                groups.append(("", [_gap("more heads")]))
+                continue
+            items = []
+            for tile in _pick(bs // 16):
+                if tile is None:
+                    items.append(_gap("more token tiles"))
+                    continue
+                first = offset(b, hh, 16 * tile, 0, "k")
+                items.append((f"K t{16 * tile}–{16 * tile + 15}", "k", 2 * _BOX_W,
+                              f"K of block {b}, head {hh}, tokens {16 * tile}–{16 * tile + 15}: [{d // 2}][16][2] "
+                              f"(dim pair, token, dim in pair), elements {first}..{first + 16 * d - 1}"))
+            for tile in _pick(d // 16):
+                if tile is None:
+                    items.append(_gap("more dim tiles"))
+                    continue
+                first = offset(b, hh, 0, 16 * tile, "v")
+                items.append((f"V d{16 * tile}–{16 * tile + 15}", "v", 2 * _BOX_W,
+                              f"V of block {b}, head {hh}, dims {16 * tile}–{16 * tile + 15}: [{bs // 2}][16][2] "
+                              f"(token pair, dim, token in pair), elements {first}..{first + 16 * bs - 1}"))
+            groups.append((f"head {hh}", items))
+        strip.row(y, f"block {b}", groups)
+        y += row_h
+    # The packing inside a tile: the first 6 and the 33rd..36th elements of each half, in memory order.
+    zoom = []
+    for which, view, cls, name in (("k", k_view, "k", "K"), ("v", v_view, "v", "V")):
+        items = []
+        for local in [0, 1, 2, 3, 4, 5, None, 30, 31, 32, 33]:
+            if local is None:
+                items.append(_gap("…"))
+                continue
+            pos = _unravel(local, view)
+            at = offset(0, 0, pos["token"], pos["dim"], which)
+            items.append((f"t{pos['token']} d{pos['dim']}", cls, _BOX_W + 8,
+                          f"{name}[token {pos['token']}, dim {pos['dim']}] of block 0, head 0 at element {at}"))
+        zoom.append((f"{name} half of block 0, head 0: first elements in memory", items))
+    strip.row(y, "in a tile", zoom)
+    return y + row_h
 
 
 # --- index page ------------------------------------------------------------------
@@ -439,16 +563,93 @@ class StepRow:
     seq_lens: str
     verdict: Verdict
     href: str  #: step page, "" when none was written
+    label: str  #: the step number, or a range of consecutive gap steps with one reason (``1–12``)
+    count: int = 1  #: steps the row stands for (more than 1 for a run of gaps)
 
 
 @dataclass(frozen=True)
-class GapRow:
-    """A step the tracer knows about but could not record."""
+class GapGroup:
+    """Steps the tracer knows about but could not record, for one (kind, reason)."""
 
-    step: int
     kind: str
     reason: str
-    num_tokens: int
+    steps: str  #: e.g. ``1–12`` or ``14, 16, 18``
+    count: int
+    tokens: str  #: tokens per step: ``4 each`` or a list
+    explanation: str  #: why such steps are not recorded, and what would record them ("" if unknown)
+
+
+#: Why gaps happen, by the part of the tracer's reason before the first colon.
+GAP_EXPLANATIONS = {
+    "profile run": "vLLM's memory-profiling and warm-up forward passes run without attention metadata "
+    "(attn_metadata is None): attention is skipped, so there is nothing to record.",
+    "cuda-graph-capture": "vLLM was capturing CUDA graphs for these batch sizes, and the hook copies nothing "
+    "while a graph is being captured. These are warm-up batches, not requests.",
+    "cuda-graph-replay": "These steps replayed a captured CUDA graph (cudagraph_mode {mode}): attention ran "
+    "inside the graph on the device and the Python forward() that the hook wraps was never called. {advice}",
+}
+#: How to record replayed steps: with FULL graphs, PIECEWISE keeps attention outside the graphs.
+_REPLAY_ADVICE = {
+    True: "Trace with enforce_eager, or cudagraph_mode PIECEWISE (attention stays outside the graphs), to record them.",
+    False: "Trace with enforce_eager to record them.",
+}
+
+
+def steps_text(steps: list[int]) -> str:
+    """Sorted step numbers as ranges: ``[1, 2, 3, 5]`` -> ``1–3, 5``."""
+    parts: list[str] = []
+    start = prev = None
+    for s in steps:
+        if prev is not None and s == prev + 1:
+            prev = s
+            continue
+        if start is not None:
+            parts.append(_range_text(start, prev))
+        start = prev = s
+    if start is not None:
+        parts.append(_range_text(start, prev))
+    return ", ".join(parts)
+
+
+def _tokens_text(tokens: list[int]) -> str:
+    if not any(tokens):
+        return "–"
+    if len(set(tokens)) == 1:
+        return f"{tokens[0]}" if len(tokens) == 1 else f"{tokens[0]} each"
+    return fmt_list(tokens, 16)
+
+
+def gap_groups(gaps: list[Any], cudagraph_mode: str) -> tuple[GapGroup, ...]:
+    """Group ``GapRecord``s by (kind, reason), in order of their first step."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for g in sorted(gaps, key=lambda g: g.step):
+        groups.setdefault((g.kind, g.reason), []).append(g)
+    out = []
+    for (kind, reason), members in groups.items():
+        explanation = GAP_EXPLANATIONS.get(reason.split(":", 1)[0].strip(), "")
+        out.append(GapGroup(kind, reason, steps_text([g.step for g in members]), len(members),
+                            _tokens_text([g.num_tokens for g in members]),
+                            explanation.format(mode=cudagraph_mode, advice=_REPLAY_ADVICE["FULL" in cudagraph_mode])))
+    return tuple(out)
+
+
+def _gap_rows(gaps: list[Any]) -> list[StepRow]:
+    """Step-list rows for gaps: consecutive steps with the same kind and reason share one row."""
+    runs: list[list[Any]] = []
+    for g in sorted(gaps, key=lambda g: g.step):
+        last = runs[-1][-1] if runs else None
+        if last is not None and g.step == last.step + 1 and (g.kind, g.reason) == (last.kind, last.reason):
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    rows = []
+    for run in runs:
+        tokens = [g.num_tokens for g in run]
+        text = "" if not any(tokens) else _tokens_text(tokens)
+        label = _range_text(run[0].step, run[-1].step)
+        rows.append(StepRow(run[0].step, run[0].kind, False, 0, "", text, "", "",
+                            Verdict("none", run[0].reason), "", label, len(run)))
+    return rows
 
 
 @dataclass(frozen=True)
@@ -472,7 +673,7 @@ class IndexPage:
     kv_rows: tuple[Row, ...]
     layout: LayoutView | None
     steps: tuple[StepRow, ...]
-    gaps: tuple[GapRow, ...]
+    gaps: tuple[GapGroup, ...]
     files: tuple[FileRow, ...]
     replay: Verdict
     replay_checks: tuple[Row, ...]
@@ -559,23 +760,25 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
         rows.append(StepRow(
             r.step, r.kind, True, layers_per_step[r.step], str(r.num_reqs), str(r.num_actual_tokens),
             _short(r.query_lens), _short(r.seq_lens), step_verdict(replay.by_step.get(r.step, [])),
-            step_page(r.step) if r.step in paged else "",
+            step_page(r.step) if r.step in paged else "", str(r.step),
         ))
-    for g in trace.gaps:
-        rows.append(StepRow(g.step, g.kind, False, 0, "", str(g.num_tokens or ""), "", "", Verdict("none", g.reason), ""))
+    rows += _gap_rows(list(trace.gaps))
     rows.sort(key=lambda row: (row.step, not row.recorded))
     files = []
     for path in ANNOTATED_FILES:
         loc = located.get(path)
         name = path.rsplit("/", 1)[-1]
         if loc is None:
-            files.append(FileRow(name, path, "", FILE_ROLES.get(path, ""), "source not stored in this trace",
+            files.append(FileRow(name, path, "", file_role(path, run), "source not stored in this trace",
                                  on_path(path, run)))
             continue
         found = sum(1 for x in loc.locations.values() if x.found)
-        files.append(FileRow(name, path, source_file_page(path), FILE_ROLES.get(path, ""),
+        files.append(FileRow(name, path, source_file_page(path), file_role(path, run),
                              f"{found} of {len(loc.locations)} anchors found", on_path(path, run)))
     model = run.model.name if run.model else "unknown model"
+    overall = replay.overall
+    if not replay.present and not any(r.tensors for r in trace.records):
+        overall = Verdict("none", "not replayable: recorded without tensors")
     problems = tuple(trace.problems) + ((replay.problem,) if replay.problem else ())
     recorded = [row for row in rows if row.recorded]
     without = sum(1 for row in recorded if not row.href)
@@ -589,9 +792,9 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
         kv_rows=_kv_rows(run.kv_cache),
         layout=layout_view(run.kv_cache),
         steps=tuple(rows),
-        gaps=tuple(GapRow(g.step, g.kind, g.reason, g.num_tokens) for g in sorted(trace.gaps, key=lambda g: g.step)),
+        gaps=gap_groups(list(trace.gaps), run.cudagraph_mode),
         files=tuple(files),
-        replay=replay.overall,
+        replay=overall,
         replay_checks=replay.checks,
         problems=problems,
         pages_note=pages_note,
@@ -784,6 +987,7 @@ class StepPage:
     prev: Link | None
     next: Link | None
     nav: tuple[Link, ...]
+    replay_note: str = ""  #: shown when there are no verdicts: how to get them, or why there can be none
 
 
 def _range_text(lo: int, hi: int) -> str:
@@ -913,7 +1117,15 @@ def step_view(record: StepRecord, run: RunInfo, layers: tuple[str, ...], replay_
         prev=Link(step_page(prev), f"step {prev}") if prev is not None else None,
         next=Link(step_page(next_), f"step {next_}") if next_ is not None else None,
         nav=nav,
+        replay_note=NO_TENSORS_NOTE if record.tensors is None else "Not replayed (run pagedtrace replay on the trace).",
     )
+
+
+#: Why a step without captured tensors has no replay verdict.
+NO_TENSORS_NOTE = (
+    "Not replayable: no tensors were captured for this step (the trace was recorded with --no-tensors, "
+    "or the tensor budget was used up), so there is nothing to recompute attention from."
+)
 
 
 # --- guided tour -----------------------------------------------------------------

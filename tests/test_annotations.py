@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
 import subprocess
@@ -24,7 +25,8 @@ from annotations import (
 )
 from annotations.anchors import BLOCK_TABLE, CPU_ATTN, FLASH_ATTN, MATCH_MODES, PAGED_ATTN, Anchor
 from annotations.locate import keep_definitions, normalize_code
-from annotations.values import COMPUTED_PREFIX, VALUE_FUNCTIONS, TensorView, ViewError, value_for
+from annotations.annotate import file_role
+from annotations.values import COMPUTED_PREFIX, VALUE_FUNCTIONS, TensorView, ViewError, split_kv_cache_summary, value_for
 from tracer.records import (
     FORMAT_VERSION,
     SOURCE_FILES,
@@ -286,6 +288,50 @@ def test_cpu_chunk_for_the_cpu_layout():
     assert "K^T [64][16]" in text
 
 
+def amx_spec() -> KVCacheSpec:
+    """The CPU cache of ``make_spec("cpu")`` as the AMX ISA packs it (block size 32)."""
+    return dataclasses.replace(make_spec("cpu"), block_size=32, shape=(64, 2, 32, 128), stride=(8192, 4096, 128, 1),
+                               backend_kv_cache_shape=(64, 2, 32, 128), layout="cpu_amx",
+                               physical_order="(blocks, heads, [K | V] packed in AMX tiles)")
+
+
+def test_cpu_chunk_follows_the_recorded_layout():
+    run = make_run(amx_spec(), backend="cpu")
+    text = value_for(_anchor("cpu_attn.forward.chunk"), None, run).text
+    assert "key_cache shape (64, 2, 32, 64) strides (8192, 4096, 64, 1)" in text
+    assert "K as [bs/16][D/2][16][2] = [2][32][16][2]" in text and "V as [D/16][bs/2][16][2] = [4][16][16][2]" in text
+    assert "K^T" not in text and "(cpu_amx)" in text
+
+
+def test_cpu_file_role_follows_the_recorded_layout():
+    vec = file_role(CPU_ATTN, make_run(make_spec("cpu"), backend="cpu"))
+    assert "layout cpu" in vec and "K^T [64][16] in the key half, then V [16][64]" in vec
+    amx = file_role(CPU_ATTN, make_run(amx_spec(), backend="cpu"))
+    assert "layout cpu_amx" in amx and "[2][32][16][2]" in amx and "K^T" not in amx
+    # On a FlashAttention trace the CPU file's role names both packings, neither as this trace's.
+    flash = file_role(CPU_ATTN, make_run())
+    assert "vec/vec16" in flash and "AMX" in flash and "this trace" not in flash
+    assert file_role(FLASH_ATTN, make_run()).startswith("The FlashAttention backend")
+
+
+def test_split_kv_cache_on_the_h200_fa3_cache():
+    """The committed H200 FA3 cache: (num_blocks, 4, 16, 256) bf16, NHD strides."""
+    spec = Trace.open(Path(__file__).parent / "fixtures" / "h200-qwen2.5-7b-eager").run.kv_cache
+    assert spec.shape[1:] == (4, 16, 256) and spec.stride == (16384, 256, 1024, 1)
+    run = make_run(spec)
+    assert "x = 16 // 2 = 8" in value_for(_anchor("paged_attn.split_kv_cache.x"), None, run).text
+    num_blocks = value_for(_anchor("paged_attn.split_kv_cache.num_blocks"), None, run).text
+    assert f"num_blocks = kv_cache.shape[1] = 4: on the 0.26 cache dim 1 is num_kv_heads, not the {spec.num_blocks}" \
+        in num_blocks
+    key = value_for(_anchor("paged_attn.split_kv_cache.key_index"), None, run).text
+    assert "kv_cache[0] is block 0" in key and "shape (4, 16, 256) strides (256, 1024, 1)" in key
+    for k in ("key_view", "value_view"):
+        assert "would fail in torch (RuntimeError: view size is not compatible" in \
+            value_for(_anchor(f"paged_attn.split_kv_cache.{k}"), None, run).text
+    summary = split_kv_cache_summary(spec)
+    assert "kv_cache.shape[1] = 4 (that is num_kv_heads" in summary and "view(4, 4, 16, -1, 8) would fail" in summary
+
+
 def test_forward_values():
     rec = make_record(4, [20, 8], [20, 24], [[1, 2], [1, 3]])
     run = make_run()
@@ -366,8 +412,12 @@ def test_annotate_puts_values_on_the_right_lines(small_trace):
 def test_annotate_notes_that_the_cpu_file_is_off_this_runs_path(small_trace):
     annotated = annotate(small_trace.source(CPU_ATTN), CPU_ATTN, small_trace)
     assert any("FlashAttentionImpl" in note for note in annotated.file_notes)
-    assert any("does not run" in note for note in annotate(small_trace.source(PAGED_ATTN), PAGED_ATTN,
-                                                           small_trace).file_notes)
+    paged = annotate(small_trace.source(PAGED_ATTN), PAGED_ATTN, small_trace).file_notes
+    assert any("Not called on vLLM 0.26" in note for note in paged)
+    # ... and says plainly what split_kv_cache would make of this run's cache.
+    summary = next(note for note in paged if note.startswith("Had it been called"))
+    assert "x = 16 // 2 = 8" in summary and "kv_cache.shape[1] = 2 (that is num_kv_heads" in summary
+    assert "nonsense" in summary
 
 
 @needs_vllm_sources

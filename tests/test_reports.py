@@ -13,6 +13,8 @@ import json
 import os
 import re
 import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -280,6 +282,40 @@ def test_layout_drawings():
     assert layout_view(None) is None
 
 
+def _amx_spec() -> KVCacheSpec:
+    return replace(_spec("cpu"), block_size=32, shape=(64, 2, 32, 128), stride=(8192, 4096, 128, 1),
+                   backend_kv_cache_shape=(64, 2, 32, 128), layout="cpu_amx",
+                   physical_order="(blocks, heads, [K | V] packed in AMX tiles)")
+
+
+def test_amx_layout_drawing_matches_the_reference_layout():
+    layouts = pytest.importorskip("reference_impl.layouts")
+    view = layout_view(_amx_spec())
+    labels = [b.label for b in view.boxes]
+    assert {"K t0–15", "K t16–31", "V d0–15", "V d48–63", "head 0", "head 1"} <= set(labels)
+    # In a tile: K pairs two dims of one token, V two tokens of one dim.
+    k_zoom = labels[labels.index("in a tile") + 1:][:6]
+    assert k_zoom == ["t0 d0", "t0 d1", "t1 d0", "t1 d1", "t2 d0", "t2 d1"]
+    assert "t0 d2" in labels and "t0 d15" in labels and "t2 d0" in labels
+    # The printed formulas agree with reference_impl.layouts.element_offset.
+    k_formula, v_formula = view.formulas
+    assert k_formula.endswith("b*8192 + h*4096 + (t//16)*1024 + (d//2)*32 + (t%16)*2 + d%2")
+    assert v_formula.endswith("b*8192 + h*4096 + 2048 + (d//16)*512 + (t//2)*32 + (d%16)*2 + t%2")
+    for b, h, t, d in [(0, 0, 0, 1), (3, 1, 17, 5), (63, 1, 31, 63)]:
+        for which, formula in (("k", k_formula), ("v", v_formula)):
+            expr = formula.split(" at element ")[1]
+            assert eval(expr, {"b": b, "h": h, "t": t, "d": d}) == layouts.element_offset(
+                "cpu_amx", b, h, t, d, which, num_kv_heads=2, block_size=32, head_size=64)
+    assert "no drawing" not in view.caption
+
+
+def test_amx_layout_without_torch_falls_back_to_text(monkeypatch):
+    monkeypatch.setitem(sys.modules, "reference_impl.layouts", None)  # import raises ImportError
+    view = layout_view(_amx_spec())
+    assert view.boxes == () and len(view.formulas) == 2
+    assert "[bs/16][D/2][16][2] = [2][32][16][2]" in view.caption and "could not be imported" in view.caption
+
+
 def test_replay_verdicts_are_read_tolerantly(trace_dir, tmp_path):
     replay = read_replay(Trace.open(trace_dir))
     assert replay.overall.status == "fail"
@@ -340,6 +376,48 @@ def test_cpu_trace_report(tmp_path):
     assert "This trace ran CPUAttentionBackendImpl" in fa
     tour = (tmp_path / "site" / "tour.html").read_text()
     assert "cpu_attention_with_kv_cache" in tour
+
+
+# --- the committed H200 traces ------------------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("variant", ["eager", "piecewise", "default"])
+def test_report_of_the_h200_fa3_traces(variant, tmp_path):
+    """Real vLLM 0.26 FA3 traces from an H200: key facts reach the pages."""
+    out = tmp_path / "site"
+    write_report(FIXTURES / f"h200-qwen2.5-7b-{variant}", out)
+    index = (out / "index.html").read_text()
+    assert "<th>FlashAttention version</th><td>FA3</td>" in index
+    assert "<th>strides</th><td>(16384, 256, 1024, 1)</td>" in index
+    assert "flash_nhd: (blocks, tokens, heads, K|V)" in index and "K h0" in index
+    assert "no drawing" not in index
+    # paged_attn.py is listed as off the 0.26 path; flash_attn.py as on it.
+    files = dict(re.findall(r'<tr( class="offpath")?>\s*<td><a href="src-(\w+)\.html"', index)[i][::-1]
+                 for i in range(5))
+    assert files["paged_attn"] and files["cpu_attn"] and not files["flash_attn"]
+    fa = (out / "src-flash_attn.html").read_text()
+    assert "This trace ran" not in fa and "not this backend" not in fa
+    paged = (out / "src-paged_attn.html").read_text()
+    assert "Not called on vLLM 0.26" in paged and "x = 16 // 2 = 8" in paged
+    assert "num_blocks = kv_cache.shape[1] = 4 (that is num_kv_heads" in paged
+    assert "would fail in torch" in paged
+    # The gaps: grouped by reason, consecutive runs on one row of the step list.
+    gaps = index[index.index('<section id="gaps">'):]
+    assert "<tr><td>1–12</td><td>12</td><td>warmup</td>" in gaps or variant == "eager"
+    if variant == "default":
+        assert "<tr><td>14, 16, 18, 20, 22, 24</td><td>6</td><td>warmup</td><td>[32, 16, 8, 4, 2, 1]</td>" in gaps
+        assert "<tr><td>29–33</td><td>5</td><td>request</td><td>4 each</td>" in gaps
+        assert "cudagraph_mode FULL_AND_PIECEWISE" in gaps and "cudagraph_mode PIECEWISE" in gaps
+        assert '<tr class="gap"><td>29–33</td><td>request</td><td colspan="6">not recorded (5 steps)' in index
+    else:
+        assert "cuda-graph-replay" not in index
+    # Without tensors there is nothing to replay; the pages say so instead of suggesting a replay.
+    if variant != "eager":
+        assert "not replayable: recorded without tensors" in index
+        step = next(out.glob("step-*.html")).read_text()
+        assert "Not replayable: no tensors were captured" in step
 
 
 # --- escaping ---------------------------------------------------------------------------
@@ -474,3 +552,9 @@ def test_report_from_a_real_cpu_trace(cpu_trace, tmp_path):
         assert locate(trace.source(path), path).missing == []
     for record in trace.steps(kind="request"):
         assert (out / f"step-{record.step:06d}.html").is_file()
+    # The drawing and the CPU file's role follow the recorded packing (cpu or cpu_amx).
+    assert "no drawing" not in index
+    layout = trace.run.kv_cache.layout
+    cpu = (out / "src-cpu_attn.html").read_text()
+    assert f"this trace: layout {layout}" in cpu
+    assert ("K^T [" in cpu) == (layout == "cpu")
