@@ -6,6 +6,7 @@ CLI end to end and keeps vLLM's global state out of the test process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +14,17 @@ import sys
 from pathlib import Path
 
 import pytest
+
+def _site_packages() -> Path | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+#: site-packages holding the installed vLLM 0.26 (its sources are read, never imported).
+SITE = _site_packages()
+needs_vllm_sources = pytest.mark.skipif(SITE is None, reason="vLLM 0.26 sources not installed")
 
 #: The session every engine test reads: tiny preset, tensors on, block size 32 on CPU.
 RUN_ARGS = ["--model", "tiny", "--prompts", "4", "--prompt-len", "20:90", "--shared-prefix", "64",

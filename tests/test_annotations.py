@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import SITE, needs_vllm_sources
 
 from annotations import (
     ANCHORS,
@@ -41,15 +42,6 @@ from tracer.store import Trace, TraceWriter, sha256_text
 LAYER = "model.layers.0.self_attn.attn"
 
 
-def _site_packages() -> Path | None:
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations))).parent
-
-
-SITE = _site_packages()
-needs_vllm_sources = pytest.mark.skipif(SITE is None, reason="vLLM 0.26 sources not installed")
 
 
 def vllm_source(path: str) -> str:

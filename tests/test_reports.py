@@ -7,7 +7,6 @@ before comparing. Regenerate them with ``PAGEDTRACE_UPDATE_GOLD=1 pytest tests/t
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import io
 import json
 import os
@@ -18,6 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import SITE, needs_vllm_sources
 from rich.console import Console
 
 import pagedtrace.cli as cli
@@ -59,15 +60,6 @@ FAKE_REFERENCE = (
 )
 
 
-def _site_packages() -> Path | None:
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations))).parent
-
-
-SITE = _site_packages()
-needs_vllm_sources = pytest.mark.skipif(SITE is None, reason="vLLM 0.26 sources not installed")
 
 
 def _spec(layout: str) -> KVCacheSpec:
