@@ -65,6 +65,11 @@ __all__ = [
     "resolve_layout",
     "read_cache",
     "compact_block_table",
+    "StepInputs",
+    "step_inputs",
+    "reference_outputs",
+    "kv_spec",
+    "select_records",
     "save_report",
 ]
 
@@ -363,7 +368,7 @@ def resolve_layout(trace: Trace, records: Sequence[StepRecord] | None = None) ->
     check stays an independent test). Without such a record, or when neither packing
     explains at least half of the rows, the manifest's layout stands.
     """
-    spec = _spec(trace)
+    spec = kv_spec(trace)
     if spec.layout != _layouts.LAYOUT_CPU:
         return spec.layout
     for record in records if records is not None else trace.records:
@@ -436,6 +441,81 @@ def _baseline_dtype(query: torch.Tensor) -> torch.dtype:
     return query.dtype if query.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
 
 
+@dataclass(frozen=True, eq=False)
+class StepInputs:
+    """One (step, layer) as the kernels take it: the compact canonical cache and remapped table.
+
+    Built by :func:`step_inputs`; :func:`replay_record` and ``reference_impl.testing``
+    feed exactly these tensors to a kernel.
+    """
+
+    query: torch.Tensor  #: ``[T, H, D]`` as captured (rows past ``num_tokens`` are padding)
+    key_cache: torch.Tensor  #: ``[n, bs, H_kv, D]``: the captured blocks (+1 zero block if ``missing``)
+    value_cache: torch.Tensor  #: ``[n, bs, H_kv, D]``
+    block_table: torch.Tensor  #: ``[B, max_blocks]`` long: rows of the compact cache, see :func:`compact_block_table`
+    seq_lens: torch.Tensor  #: ``[B]`` long
+    query_start_loc: torch.Tensor  #: ``[B + 1]`` long
+    kwargs: dict[str, Any]  #: ``scale``, ``causal``, ``window``, ``softcap``, ``k_scale``, ``v_scale``
+    num_tokens: int  #: query rows compared: ``min(query_start_loc[-1], query rows, output rows)``
+    missing: tuple[int, ...] = ()  #: physical block ids the table names that were not captured
+    note: str = ""  #: what is odd about the step (uncaptured blocks, query rows != query_start_loc[-1])
+
+    @property
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """The six positional kernel arguments, in the reference signature's order."""
+        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens,
+                self.query_start_loc)
+
+
+def step_inputs(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec,
+                layout: str) -> StepInputs:
+    """Read one (step, layer)'s captured tensors into kernel inputs.
+
+    The captured ``kv_blocks`` are read from ``layout`` into canonical K/V caches and the
+    block table is remapped from physical ids onto their rows. Blocks the table names
+    but the tracer did not capture become one zero block (so a kernel fails loudly
+    instead of indexing out of range) and are listed in ``missing``.
+
+    Raises:
+        TraceError: ``query``, ``output``, ``kv_blocks`` or ``kv_block_ids`` was not captured,
+            or the blocks cannot be read as ``layout``.
+    """
+    missing_names = {"query", "output", "kv_blocks", "kv_block_ids"} - tensors.keys()
+    if missing_names:
+        raise TraceError(f"step {record.step} layer {record.layer}: tensors {sorted(missing_names)} not captured")
+    query, output = tensors["query"], tensors["output"]
+    key_cache, value_cache = read_cache(tensors["kv_blocks"], layout, spec.head_size)
+    table, missing = compact_block_table(record.block_table, tensors["kv_block_ids"].long())
+    if missing:
+        zero = torch.zeros_like(key_cache[:1])
+        key_cache, value_cache = torch.cat([key_cache, zero]), torch.cat([value_cache, zero])
+    seq_lens = torch.tensor(record.seq_lens, dtype=torch.long)
+    query_start_loc = torch.tensor(record.query_start_loc, dtype=torch.long)
+    num = min(int(query_start_loc[-1]), query.shape[0], output.shape[0])
+    notes = []
+    if missing:
+        notes.append(f"block table names blocks {missing} that were not captured")
+    if query.shape[0] != int(query_start_loc[-1]):
+        notes.append(f"query has {query.shape[0]} rows, query_start_loc ends at {int(query_start_loc[-1])}")
+    return StepInputs(query=query, key_cache=key_cache, value_cache=value_cache, block_table=table,
+                      seq_lens=seq_lens, query_start_loc=query_start_loc, kwargs=_kernel_kwargs(record, spec),
+                      num_tokens=num, missing=tuple(missing), note="; ".join(notes))
+
+
+def reference_outputs(inputs: StepInputs, kernel: str = "fast") -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference output (``REFERENCE_DTYPE``) and its low-precision baseline, ``[T, H, D]`` each.
+
+    The baseline is the same math in the activation dtype (bf16 for bf16 models); the
+    tolerance is ``TOL_K * max|baseline - reference| + TOL_EPS``.
+    """
+    block_size = inputs.key_cache.shape[1]
+    expected = _run_kernel(kernel, *inputs.args, block_size=block_size, compute_dtype=REFERENCE_DTYPE,
+                           **inputs.kwargs)
+    baseline = _run_kernel(kernel, *inputs.args, block_size=block_size,
+                           compute_dtype=_baseline_dtype(inputs.query), **inputs.kwargs)
+    return expected, baseline
+
+
 def replay_record(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec, layout: str,
                   *, kernel: str = "fast", check_legacy: bool = True) -> tuple[StepResult, LegacyCheck | None]:
     """Rerun one (step, layer)'s attention and judge vLLM's ``output``.
@@ -453,48 +533,26 @@ def replay_record(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec:
         The step's result and, with ``check_legacy``, the legacy check (None when the
         head size is not a multiple of ``x``).
     """
-    missing_names = {"query", "output", "kv_blocks", "kv_block_ids"} - tensors.keys()
-    if missing_names:
-        raise TraceError(f"step {record.step} layer {record.layer}: tensors {sorted(missing_names)} not captured")
-    query, output = tensors["query"], tensors["output"]
-    block_ids = tensors["kv_block_ids"].long()
-    key_cache, value_cache = read_cache(tensors["kv_blocks"], layout, spec.head_size)
-    table, missing = compact_block_table(record.block_table, block_ids)
-    if missing:
-        # Blocks the table names but the tracer did not capture read as zeros: the
-        # replay then fails loudly instead of indexing out of range.
-        zero = torch.zeros_like(key_cache[:1])
-        key_cache, value_cache = torch.cat([key_cache, zero]), torch.cat([value_cache, zero])
-    seq_lens = torch.tensor(record.seq_lens, dtype=torch.long)
-    query_start_loc = torch.tensor(record.query_start_loc, dtype=torch.long)
-    num = min(int(query_start_loc[-1]), query.shape[0], output.shape[0])
-    args = (query, key_cache, value_cache, table, seq_lens, query_start_loc)
-    kwargs = _kernel_kwargs(record, spec)
-    expected = _run_kernel(kernel, *args, block_size=spec.block_size, compute_dtype=REFERENCE_DTYPE, **kwargs)
-    baseline = _run_kernel(kernel, *args, block_size=spec.block_size, compute_dtype=_baseline_dtype(query),
-                           **kwargs)
+    inputs = step_inputs(record, tensors, spec, layout)
+    output, num = tensors["output"], inputs.num_tokens
+    expected, baseline = reference_outputs(inputs, kernel)
     verdict = _kernel.compare(output[:num], expected[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
     # Per-head scale for the relative error: the largest |reference| value of that head.
-    ref_scale = expected[:num].abs().amax(dim=(0, 2)) if num else torch.zeros(query.shape[1])
+    ref_scale = expected[:num].abs().amax(dim=(0, 2)) if num else torch.zeros(inputs.query.shape[1])
     heads = tuple(
         HeadResult(head=h, ok=bool(err <= verdict["tol"]), max_abs=err,
                    max_rel=err / float(s) if float(s) > 0 else (0.0 if err == 0 else math.inf))
         for h, (err, s) in enumerate(zip(verdict["per_head_max_abs"], ref_scale.tolist()))
     )
-    note = ""
-    if missing:
-        note = f"block table names blocks {missing} that were not captured"
-    if query.shape[0] != int(query_start_loc[-1]):
-        note = (note + "; " if note else "") + (
-            f"query has {query.shape[0]} rows, query_start_loc ends at {int(query_start_loc[-1])}")
     result = StepResult(
         step=record.step, layer=record.layer, kind=record.kind, num_tokens=num, num_reqs=record.num_reqs,
-        ok=bool(verdict["ok"]) and not missing, max_abs=verdict["max_abs"], max_rel=verdict["max_rel"],
-        tol=verdict["tol"], baseline_max_abs=verdict["baseline_max_abs"], heads=heads, note=note,
+        ok=bool(verdict["ok"]) and not inputs.missing, max_abs=verdict["max_abs"], max_rel=verdict["max_rel"],
+        tol=verdict["tol"], baseline_max_abs=verdict["baseline_max_abs"], heads=heads, note=inputs.note,
     )
     legacy = None
     if check_legacy:
-        legacy = check_legacy_path(record, key_cache, value_cache, table, expected, query, spec, kernel)
+        legacy = check_legacy_path(record, inputs.key_cache, inputs.value_cache, inputs.block_table, expected,
+                                   inputs.query, spec, kernel)
     return result, legacy
 
 
@@ -530,7 +588,8 @@ def check_legacy_path(record: StepRecord, key_cache: torch.Tensor, value_cache: 
 # --------------------------------------------------------------------------- driver
 
 
-def _spec(trace: Trace) -> KVCacheSpec:
+def kv_spec(trace: Trace) -> KVCacheSpec:
+    """The trace's KV-cache spec; ``TraceError`` when the manifest has none."""
     spec = trace.run.kv_cache
     if spec is None:
         raise TraceError(f"{trace.path}: the manifest has no KV-cache spec; nothing to replay")
@@ -557,6 +616,19 @@ def _selected(record: StepRecord, steps: tuple[int | None, int | None] | None,
         if record.layer not in wanted and _layer_index(record.layer) not in wanted:
             return False
     return True
+
+
+def select_records(trace: Trace, *, steps: tuple[int | None, int | None] | None = None,
+                   layers: Iterable[str | int] | None = None, kind: str | None = None) -> list[StepRecord]:
+    """The records of ``trace`` in a half-open ``steps`` range, of the given ``layers`` and ``kind``.
+
+    Args:
+        steps: ``(start, stop)``, either end None = open; None = all.
+        layers: layer names and/or indices (``model.layers.<i>...``); None = all.
+        kind: a ``StepRecord.kind`` (``request`` ...); None = all.
+    """
+    layers = None if layers is None else tuple(layers)
+    return [r for r in trace.records if (kind is None or r.kind == kind) and _selected(r, steps, layers)]
 
 
 def replay_trace(
@@ -593,9 +665,9 @@ def replay_trace(
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; use one of {sorted(KERNELS)}")
     started = time.perf_counter()
-    spec = _spec(trace)
+    spec = kv_spec(trace)
     layers = None if layers is None else tuple(layers)
-    selected = [r for r in trace.records if _selected(r, steps, layers)]
+    selected = select_records(trace, steps=steps, layers=layers)
     if not selected:
         raise TraceError(f"{trace.path}: no recorded step matches the selection "
                          f"(steps {_fmt_range(steps)}, layers {','.join(map(str, layers or ())) or 'all'})")

@@ -1,0 +1,604 @@
+"""Check your own paged-attention kernel against real vLLM steps.
+
+A trace holds, for every captured (step, layer), exactly what vLLM's attention backend
+had: the query, the KV blocks the block table references, the block table, ``seq_lens``,
+``query_start_loc`` and vLLM's output. :func:`load_cases` turns each into a
+:class:`KernelCase` (the compact cache and remapped table that ``pagedtrace replay``
+builds), and :func:`check_kernel` runs a kernel on it::
+
+    from reference_impl.testing import assert_kernel_matches, load_cases
+
+    for case in load_cases("tests/fixtures/h200-qwen2.5-7b-eager"):
+        assert_kernel_matches(my_paged_attention, case)
+
+or, without writing a test, from pytest (``reference_impl.pytest_plugin``)::
+
+    pytest -p reference_impl.pytest_plugin --pyargs reference_impl.kernel_check \\
+        --pagedtrace-trace TRACE --pagedtrace-kernel mypkg.attn:paged_attention
+
+and from the command line: ``pagedtrace replay TRACE --kernel mypkg.attn:paged_attention``.
+
+The kernel signature
+--------------------
+The one :mod:`reference_impl.kernel` uses (FlashAttention's varlen batch with a block
+table), with the canonical "NHD" cache::
+
+    fn(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs) -> out
+
+    query            [T, H, D]            activation dtype (bf16 for bf16 models)
+    key_cache        [nb, bs, H_kv, D]    the step's captured blocks, compacted
+    value_cache      [nb, bs, H_kv, D]
+    block_table      [B, max_blocks]      int32; row b: logical block j -> row of the caches
+    seq_lens         [B]                  int32; keys of sequence b, the new ones included
+    query_start_loc  [B + 1]              int32; queries of sequence b: rows qsl[b]:qsl[b+1]
+    kwargs           scale, causal, window=(left, right) (-1 = unlimited), softcap (0 = off),
+                     k_scale, v_scale (fp8 caches: uint8 e4m3 bytes times the scale)
+    -> out           [T, H, D]            any float dtype, any device (moved to the CPU)
+
+Semantics are those of vLLM / FlashAttention (GQA ``h // (H / H_kv)``, causal mask
+aligned bottom-right, see :mod:`reference_impl.kernel`). A keyword the kernel does not
+declare is left out when its value changes nothing (``causal=True``, ``window=(-1, -1)``,
+``softcap=0``, the scales of a non-fp8 cache); when it matters, the case fails with
+a ``TypeError`` naming it. A kernel may also return ``(out, lse)``; the first element
+is judged. Rows of ``out`` past ``num_tokens`` are ignored.
+
+A kernel written for vLLM's own cache tensor adapts in a few lines, e.g. one taking
+FlashAttention's packed ``[nb, H_kv, bs, 2*D]`` cache with vLLM's strides::
+
+    from reference_impl.layouts import kv_to_flash
+
+    def adapted(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kw):
+        kv_cache = kv_to_flash(key_cache, value_cache, "flash_nhd")
+        return my_flash_kernel(query, kv_cache, block_table, seq_lens, query_start_loc, **kw)
+
+(``kv_to_cpu`` / ``kv_to_cpu_amx`` / ``kv_to_legacy`` give the other layouts.)
+
+The verdict
+-----------
+The same bar vLLM's own output meets in ``pagedtrace replay`` (flash-attn's
+``hopper/test_flash_attn.py``): the kernel's output is compared with the fp64 reference,
+and may be at most ``TOL_K`` times as far from it as the same math run naively in the
+activation dtype, plus ``TOL_EPS``. The tolerance never depends on vLLM's output, so a
+wrong vLLM step cannot widen it; the distance from vLLM's captured output is reported
+alongside.
+
+Imports torch, :mod:`reference_impl` and ``tracer.records`` / ``tracer.store`` only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from reference_impl import kernel as _kernel
+from reference_impl import replay as _replay
+from tracer.records import StepRecord, TraceError
+from tracer.store import Trace
+
+__all__ = [
+    "KernelCase",
+    "CaseResult",
+    "KernelReport",
+    "load_cases",
+    "load_case",
+    "iter_cases",
+    "case_id",
+    "case_records",
+    "check_kernel",
+    "assert_kernel_matches",
+    "check_trace",
+    "kernel_kwargs",
+    "kernel_name",
+    "load_kernel",
+]
+
+#: Tolerance ``TOL_K * max|baseline - reference| + TOL_EPS``: the bar ``pagedtrace replay`` holds vLLM to.
+TOL_K = _replay.TOL_K
+TOL_EPS = _replay.TOL_EPS
+
+#: Keyword values that change nothing: a kernel that does not declare them is still called.
+_NEUTRAL: dict[str, Any] = {"causal": True, "window": (-1, -1), "softcap": 0.0, "k_scale": 1.0, "v_scale": 1.0}
+
+_FP8 = (torch.uint8, torch.float8_e4m3fn)
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True, eq=False)
+class KernelCase:
+    """One captured (step, layer), ready to feed a kernel; see the module docstring for shapes.
+
+    Compares by identity (it holds tensors). ``expected`` is what vLLM computed;
+    ``reference`` / ``baseline`` / ``tol`` are what a kernel is judged by.
+    """
+
+    id: str  #: ``<trace dir name>/step<step>/layer<index>``, e.g. ``h200-qwen2.5-7b-eager/step4/layer0``
+    trace: str  #: the trace directory
+    step: int  #: 0-based forward-pass index, as ``StepRecord.step``
+    layer: str  #: vLLM's layer name
+    kind: str  #: ``StepRecord.kind``
+    layout: str  #: the layout the captured blocks were read from
+    query: torch.Tensor  #: ``[T, H, D]``, as captured
+    key_cache: torch.Tensor  #: ``[nb, bs, H_kv, D]``, the step's blocks (a zero block appended if some were not captured)
+    value_cache: torch.Tensor  #: ``[nb, bs, H_kv, D]``
+    block_table: torch.Tensor  #: ``[B, max_blocks]`` int32, rows of the compact cache; 0 past each sequence's blocks
+    seq_lens: torch.Tensor  #: ``[B]`` int32
+    query_start_loc: torch.Tensor  #: ``[B + 1]`` int32
+    kwargs: Mapping[str, Any]  #: ``scale``, ``causal``, ``window``, ``softcap``, ``k_scale``, ``v_scale``
+    expected: torch.Tensor  #: ``[T, H, D]``: vLLM's captured output
+    reference: torch.Tensor  #: ``[T, H, D]``: the reference kernel in fp64
+    baseline: torch.Tensor  #: ``[T, H, D]``: the reference's math in the activation dtype
+    num_tokens: int  #: rows compared: ``query_start_loc[-1]`` unless the capture is short
+    tol: float  #: allowed max abs error: ``tol_k * baseline_max_abs + tol_eps``
+    baseline_max_abs: float  #: max |baseline - reference| over the compared rows
+    vllm_max_abs: float  #: max |expected - reference|: how far vLLM's own output is
+    tol_k: float = TOL_K
+    tol_eps: float = TOL_EPS
+    physical_block_ids: tuple[int, ...] = ()  #: vLLM's block id of each cache row (the compact -> physical map)
+    note: str = ""  #: what is odd about the step (blocks the table names that were not captured ...)
+
+    def __repr__(self) -> str:
+        return (f"KernelCase({self.id!r}, query={list(self.query.shape)}, "
+                f"key_cache={list(self.key_cache.shape)}, block_table={list(self.block_table.shape)})")
+
+    @property
+    def num_reqs(self) -> int:
+        """Sequences in the step (block-table rows)."""
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return int(self.key_cache.shape[1])
+
+    @property
+    def args(self) -> tuple[torch.Tensor, ...]:
+        """The six positional kernel arguments, in the reference signature's order."""
+        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens,
+                self.query_start_loc)
+
+    def inputs(self, device: str | torch.device | None = None) -> tuple[torch.Tensor, ...]:
+        """:attr:`args`, moved to ``device`` (None: where they are, the CPU)."""
+        if device is None:
+            return self.args
+        return tuple(t.to(device) for t in self.args)
+
+
+def _layer_label(layer: str) -> str:
+    index = _replay._layer_index(layer)
+    return f"layer{index}" if index is not None else "".join(c if c.isalnum() else "_" for c in layer)
+
+
+def case_id(trace: Trace, record: StepRecord) -> str:
+    """``<trace dir name>/step<step>/layer<index>`` (the layer's name when it has no index)."""
+    return f"{trace.path.name}/step{record.step}/{_layer_label(record.layer)}"
+
+
+def _open(trace: Trace | str | os.PathLike[str]) -> Trace:
+    return trace if isinstance(trace, Trace) else Trace.open(trace)
+
+
+def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) -> KernelCase:
+    """Build the case of one record that has tensors.
+
+    Args:
+        trace: the opened trace the record belongs to.
+        record: a ``StepRecord`` with ``tensors``.
+        layout: the layout to read the blocks in; None = :func:`reference_impl.replay.resolve_layout`
+            (which reads one record's tensors: pass it when loading many cases).
+
+    Raises:
+        TraceError: the record has no tensors, they are incomplete or unreadable.
+    """
+    spec = _replay.kv_spec(trace)
+    if layout is None:
+        layout = _replay.resolve_layout(trace, [record])
+    tensors = trace.tensors(record)
+    inputs = _replay.step_inputs(record, tensors, spec, layout)
+    reference, baseline = _replay.reference_outputs(inputs)
+    num = inputs.num_tokens
+    expected = tensors["output"]
+    verdict = _kernel.compare(expected[:num], reference[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
+    return KernelCase(
+        id=case_id(trace, record), trace=str(trace.path), step=record.step, layer=record.layer, kind=record.kind,
+        layout=layout, query=inputs.query, key_cache=inputs.key_cache, value_cache=inputs.value_cache,
+        block_table=inputs.block_table.to(torch.int32), seq_lens=inputs.seq_lens.to(torch.int32),
+        query_start_loc=inputs.query_start_loc.to(torch.int32), kwargs=MappingProxyType(dict(inputs.kwargs)),
+        expected=expected, reference=reference, baseline=baseline, num_tokens=num, tol=verdict["tol"],
+        baseline_max_abs=verdict["baseline_max_abs"], vllm_max_abs=verdict["max_abs"],
+        physical_block_ids=tuple(int(b) for b in tensors["kv_block_ids"].tolist()), note=inputs.note,
+    )
+
+
+def case_records(trace: Trace, *, kind: str | None = "request", layers: Iterable[str | int] | None = None,
+                 steps: tuple[int | None, int | None] | None = None) -> list[StepRecord]:
+    """The records :func:`load_cases` would load (selected, with tensors), without reading tensors.
+
+    Raises:
+        TraceError: nothing selected has tensors.
+    """
+    selected = _replay.select_records(trace, steps=steps, layers=layers, kind=kind)
+    with_tensors = [r for r in selected if r.tensors is not None]
+    if not with_tensors:
+        what = f"{len(selected)} selected {kind or ''} step(s)".replace("  ", " ")
+        raise TraceError(f"{trace.path}: no tensors captured for the {what}; kernel checks need a trace "
+                         "recorded with tensors on (`pagedtrace run` without --no-tensors)")
+    return with_tensors
+
+
+def iter_cases(trace: Trace | str | os.PathLike[str], *, kind: str | None = "request",
+               layers: Iterable[str | int] | None = None,
+               steps: tuple[int | None, int | None] | None = None) -> Iterator[KernelCase]:
+    """Like :func:`load_cases`, one case at a time (only one step's tensors in memory)."""
+    trace = _open(trace)
+    records = case_records(trace, kind=kind, layers=layers, steps=steps)
+    layout = _replay.resolve_layout(trace, records)
+    for record in records:
+        yield load_case(trace, record, layout=layout)
+
+
+def load_cases(trace: Trace | str | os.PathLike[str], *, kind: str | None = "request",
+               layers: Iterable[str | int] | None = None,
+               steps: tuple[int | None, int | None] | None = None) -> list[KernelCase]:
+    """Every captured (step, layer) of a trace that has tensors, as kernel cases.
+
+    Args:
+        trace: a trace directory (or an opened ``Trace``).
+        kind: only records of this ``StepRecord.kind``; None = all (warm-up steps
+            rarely carry tensors).
+        layers: layer names and/or indices (``model.layers.<i>...``); None = all.
+        steps: half-open ``(start, stop)`` range of step indices, as ``replay_trace``; None = all.
+
+    Raises:
+        TraceError: not a trace, nothing selected has tensors, a tensor file is bad.
+    """
+    return list(iter_cases(trace, kind=kind, layers=layers, steps=steps))
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def kernel_name(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` of a kernel (its ``repr`` when it has neither)."""
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else repr(fn)
+
+
+def _changes_nothing(name: str, value: Any, case: KernelCase) -> bool:
+    if name in ("k_scale", "v_scale") and case.key_cache.dtype not in _FP8:
+        return True  # vLLM ignores the scales of a non-fp8 cache; so does the reference
+    neutral = _NEUTRAL.get(name, object())
+    if isinstance(neutral, tuple):
+        return isinstance(value, (tuple, list)) and tuple(value) == neutral
+    return value == neutral
+
+
+def kernel_kwargs(fn: Callable[..., Any], case: KernelCase) -> dict[str, Any]:
+    """The case's keywords that ``fn`` is called with.
+
+    All of them when ``fn`` takes ``**kwargs`` or has no inspectable signature;
+    otherwise those it declares, dropping undeclared ones whose value changes nothing.
+
+    Raises:
+        TypeError: ``fn`` does not declare a keyword whose value matters for this case.
+    """
+    kwargs = dict(case.kwargs)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    declared = {p.name for p in params
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    out = {}
+    for name, value in kwargs.items():
+        if name in declared:
+            out[name] = value
+        elif not _changes_nothing(name, value, case):
+            raise TypeError(f"{kernel_name(fn)} takes no {name!r} argument, but {case.id} needs "
+                            f"{name}={value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """How one kernel did on one case. ``str(result)`` / :meth:`message` explain it."""
+
+    id: str  #: the case's id
+    kernel: str  #: ``module:qualname``
+    step: int
+    layer: str
+    kind: str
+    num_reqs: int
+    num_tokens: int  #: rows compared
+    ok: bool
+    max_abs: float  #: max |out - fp64 reference| (inf when nothing comparable came back)
+    max_rel: float  #: ``max_abs`` over max |reference|
+    tol: float  #: allowed ``max_abs``: ``tol_k * baseline_max_abs + tol_eps``
+    baseline_max_abs: float  #: max |reference in the activation dtype - fp64 reference|
+    vllm_max_abs: float  #: max |out - vLLM's captured output|
+    vllm_ref_max_abs: float  #: max |vLLM's output - fp64 reference|, for scale
+    heads: tuple[float, ...] = ()  #: per query head: max |out - reference|
+    worst: tuple[int, int, int, int] | None = None  #: ``(token, head, dim, request)`` of the largest error, 0-based
+    nonfinite: int = 0  #: NaN / inf values among the compared outputs
+    tol_k: float = TOL_K
+    tol_eps: float = TOL_EPS
+    note: str = ""  #: why it failed beyond the numbers (shape, an exception), or the case's own note
+
+    @property
+    def bad_heads(self) -> tuple[int, ...]:
+        """Query heads whose max error exceeds the tolerance (NaN counts as bad)."""
+        return tuple(h for h, err in enumerate(self.heads) if not err <= self.tol)
+
+    @property
+    def worst_head(self) -> int | None:
+        """The query head with the largest error (None when nothing was compared)."""
+        return None if self.worst is None else self.worst[1]
+
+    def message(self) -> str:
+        """A readable verdict: where, how far, what the tolerance was."""
+        verdict = "matches" if self.ok else "does NOT match"
+        lines = [f"{self.kernel} {verdict} vLLM on {self.id} "
+                 f"(step {self.step}, layer {self.layer}, {self.kind}, {self.num_reqs} request(s), "
+                 f"{self.num_tokens} query token(s))"]
+        if math.isfinite(self.max_abs) or self.heads:
+            cmp = "<=" if self.max_abs <= self.tol else ">"
+            lines.append(f"  max abs error {_num(self.max_abs)} {cmp} tolerance {_num(self.tol)} "
+                         f"(= {_num(self.tol_k)} x {_num(self.baseline_max_abs)}, the naive low-precision "
+                         f"error, + {_num(self.tol_eps)}); max rel {_num(self.max_rel)}")
+        if self.nonfinite:
+            lines.append(f"  {self.nonfinite} NaN/inf value(s) in the output")
+        if self.worst is not None and self.heads:
+            token, head, dim, request = self.worst
+            bad = self.bad_heads
+            lines.append(f"  worst: head {head} (max abs {_num(self.heads[head])}), token {token} "
+                         f"(request {request}), dim {dim}; {len(bad)}/{len(self.heads)} head(s) outside "
+                         "tolerance" + (f": {_head_list(bad)}" if bad else ""))
+            lines.append(f"  vs vLLM's captured output: max abs {_num(self.vllm_max_abs)} "
+                         f"(vLLM itself is {_num(self.vllm_ref_max_abs)} from the fp64 reference)")
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        return "\n".join(lines)
+
+    __str__ = message
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict (non-finite errors as null)."""
+        f = _replay._finite
+        return {
+            "id": self.id, "kernel": self.kernel, "step": self.step, "layer": self.layer, "kind": self.kind,
+            "ok": self.ok, "num_reqs": self.num_reqs, "num_tokens": self.num_tokens,
+            "max_abs": f(self.max_abs), "max_rel": f(self.max_rel), "tol": f(self.tol),
+            "baseline_max_abs": f(self.baseline_max_abs), "vllm_max_abs": f(self.vllm_max_abs),
+            "vllm_ref_max_abs": f(self.vllm_ref_max_abs), "heads": [f(h) for h in self.heads],
+            "bad_heads": list(self.bad_heads),
+            "worst": None if self.worst is None else dict(zip(("token", "head", "dim", "request"), self.worst)),
+            "nonfinite": self.nonfinite, "note": self.note,
+        }
+
+
+def _num(x: float) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def _head_list(heads: tuple[int, ...], limit: int = 8) -> str:
+    shown = ", ".join(map(str, heads[:limit]))
+    return shown + (f" ... (+{len(heads) - limit})" if len(heads) > limit else "")
+
+
+def _failed(case: KernelCase, name: str, note: str) -> CaseResult:
+    """A result for a kernel that returned nothing comparable."""
+    return CaseResult(
+        id=case.id, kernel=name, step=case.step, layer=case.layer, kind=case.kind, num_reqs=case.num_reqs,
+        num_tokens=case.num_tokens, ok=False, max_abs=math.inf, max_rel=math.inf, tol=case.tol,
+        baseline_max_abs=case.baseline_max_abs, vllm_max_abs=math.inf, vllm_ref_max_abs=case.vllm_max_abs,
+        tol_k=case.tol_k, tol_eps=case.tol_eps, note=note,
+    )
+
+
+def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
+    """Compare ``out`` (already on the CPU) with the case's reference."""
+    num = case.num_tokens
+    out = out[:num]
+    reference = case.reference[:num]
+    verdict = _kernel.compare(out, reference, case.baseline[:num], k=case.tol_k, eps=case.tol_eps)
+    err = (out.double() - reference).abs()
+    nonfinite = int((~torch.isfinite(out)).sum())
+    worst = None
+    if err.numel():
+        # NaN ranks above every finite error, so the first NaN is where the report points.
+        flat = int(torch.nan_to_num(err, nan=math.inf).flatten().argmax())
+        token, head, dim = (int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
+        request = int(torch.searchsorted(case.query_start_loc, torch.tensor(token, dtype=torch.int32),
+                                         right=True)) - 1
+        worst = (token, head, dim, request)
+    max_abs = float(err.max()) if err.numel() else 0.0  # NaN-propagating, unlike compare's
+    vllm = float((out.double() - case.expected[:num].double()).abs().max()) if err.numel() else 0.0
+    ok = bool(verdict["ok"]) and nonfinite == 0 and not math.isnan(max_abs)
+    notes = [case.note] if case.note else []
+    return CaseResult(
+        id=case.id, kernel=name, step=case.step, layer=case.layer, kind=case.kind, num_reqs=case.num_reqs,
+        num_tokens=num, ok=ok, max_abs=max_abs, max_rel=verdict["max_rel"], tol=verdict["tol"],
+        baseline_max_abs=verdict["baseline_max_abs"], vllm_max_abs=vllm, vllm_ref_max_abs=case.vllm_max_abs,
+        heads=tuple(float(h) for h in err.amax(dim=(0, 2)).tolist()) if err.numel() else (),
+        worst=worst, nonfinite=nonfinite, tol_k=case.tol_k, tol_eps=case.tol_eps, note="; ".join(notes),
+    )
+
+
+def check_kernel(fn: Callable[..., Any], case: KernelCase, *,
+                 device: str | torch.device | None = None, name: str | None = None) -> CaseResult:
+    """Run ``fn`` on ``case`` and judge its output (see the module docstring).
+
+    Args:
+        fn: a kernel with the reference signature.
+        case: from :func:`load_cases`.
+        device: move the inputs there first (e.g. ``"cuda"``); the output is brought
+            back to the CPU.
+        name: what the result calls the kernel (default :func:`kernel_name`).
+
+    Returns:
+        The result; ``result.ok`` is the verdict, ``str(result)`` explains it. A
+        wrong shape or a non-tensor return is a failed result, not an exception.
+
+    Raises:
+        Whatever ``fn`` raises; ``TypeError`` when ``fn`` lacks a keyword the case needs.
+    """
+    name = name or kernel_name(fn)
+    out = fn(*case.inputs(device), **kernel_kwargs(fn, case))
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        out = out[0]  # (out, lse)
+    if not isinstance(out, torch.Tensor):
+        return _failed(case, name, f"the kernel returned {type(out).__name__}, not a tensor")
+    num_tokens, num_heads, head_size = case.query.shape
+    if out.dim() != 3 or out.shape[0] < case.num_tokens or tuple(out.shape[1:]) != (num_heads, head_size):
+        return _failed(case, name, f"the kernel returned shape {list(out.shape)}; expected "
+                                   f"[{num_tokens}, {num_heads}, {head_size}] (query's shape)")
+    if out.is_complex() or not out.is_floating_point():
+        return _failed(case, name, f"the kernel returned dtype {out.dtype}; expected a float tensor")
+    return _judge(out.detach().cpu(), case, name)
+
+
+def assert_kernel_matches(fn: Callable[..., Any], case: KernelCase, *,
+                          device: str | torch.device | None = None, name: str | None = None) -> CaseResult:
+    """:func:`check_kernel`, raising ``AssertionError`` with the readable verdict on a mismatch.
+
+    Returns:
+        The (passing) result.
+    """
+    __tracebackhide__ = True  # pytest: show the message, not this frame
+    result = check_kernel(fn, case, device=device, name=name)
+    if not result.ok:
+        raise AssertionError(result.message())
+    return result
+
+
+# --------------------------------------------------------------------------- whole traces
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """A kernel's results over a trace, as ``pagedtrace replay --kernel MODULE:FUNCTION`` prints them."""
+
+    kernel: str  #: ``module:qualname``
+    trace: str  #: the trace directory
+    layout: str  #: the layout the blocks were read from
+    results: tuple[CaseResult, ...]
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when at least one case ran and every case passed."""
+        return bool(self.results) and all(r.ok for r in self.results)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {"ok": self.ok, "kernel": self.kernel, "trace": self.trace, "layout": self.layout,
+                "tolerance": {"k": TOL_K, "eps": TOL_EPS,
+                              "reference_dtype": str(_replay.REFERENCE_DTYPE).removeprefix("torch.")},
+                "seconds": round(self.seconds, 3), "cases": [r.to_json() for r in self.results]}
+
+
+def check_trace(fn: Callable[..., Any], trace: Trace | str | os.PathLike[str], *,
+                kind: str | None = "request", layers: Iterable[str | int] | None = None,
+                steps: tuple[int | None, int | None] | None = None,
+                device: str | torch.device | None = None, name: str | None = None,
+                progress: Callable[[int, int, CaseResult], None] | None = None) -> KernelReport:
+    """Check ``fn`` on every case of a trace; an exception from ``fn`` fails that case.
+
+    Args:
+        fn: a kernel with the reference signature.
+        trace, kind, layers, steps: as :func:`load_cases`.
+        device, name: as :func:`check_kernel`.
+        progress: called as ``progress(done, total, result)`` after each case.
+
+    Raises:
+        TraceError: as :func:`load_cases`.
+    """
+    started = time.perf_counter()
+    trace = _open(trace)
+    records = case_records(trace, kind=kind, layers=layers, steps=steps)
+    layout = _replay.resolve_layout(trace, records)
+    name = name or kernel_name(fn)
+    results = []
+    for done, record in enumerate(records, 1):
+        case = load_case(trace, record, layout=layout)
+        try:
+            result = check_kernel(fn, case, device=device, name=name)
+        except Exception as exc:  # the user's kernel: any failure is that case's verdict
+            result = _failed(case, name, f"the kernel raised {type(exc).__name__}: {exc}")
+        results.append(result)
+        if progress is not None:
+            progress(done, len(records), result)
+    return KernelReport(kernel=name, trace=str(trace.path), layout=layout, results=tuple(results),
+                        seconds=time.perf_counter() - started)
+
+
+# --------------------------------------------------------------------------- loading kernels
+
+
+def load_kernel(spec: str) -> Callable[..., Any]:
+    """Import a kernel named ``MODULE:FUNCTION``.
+
+    ``MODULE`` is a dotted module name on ``sys.path`` (``mypkg.attn``) or a path to a
+    ``.py`` file (``./my_attn.py``); ``FUNCTION`` may be dotted (``Class.method``).
+
+    Raises:
+        ValueError: a malformed spec, a module that cannot be imported (or fails while
+            importing), a missing attribute, something not callable. One line each.
+    """
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name.strip() or not attr.strip() or not all(p.isidentifier() for p in attr.split(".")):
+        raise ValueError(f"bad kernel {spec!r}: expected MODULE:FUNCTION, e.g. mypkg.attn:paged_attention")
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        module = _import_file(Path(module_name), spec)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            where = "" if exc.name != module_name.split(".")[0] else " (is it on PYTHONPATH?)"
+            raise ValueError(f"kernel {spec!r}: cannot import {module_name!r}: {exc}{where}") from None
+        except Exception as exc:  # the module's own code failed
+            raise ValueError(f"kernel {spec!r}: importing {module_name!r} failed: "
+                             f"{type(exc).__name__}: {exc}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"kernel {spec!r}: {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"kernel {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _import_file(path: Path, spec: str) -> Any:
+    if not path.is_file():
+        raise ValueError(f"kernel {spec!r}: no file {str(path)!r}")
+    name = f"_pagedtrace_kernel_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"kernel {spec!r}: cannot load {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ValueError(f"kernel {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from None
+    return module
+
