@@ -1,6 +1,7 @@
 """Torch-only reference for vLLM 0.26's PagedAttention, to replay recorded traces.
 
-Two modules, importing nothing but torch and the standard library (never vllm):
+Nothing here imports vllm; everything but the pytest plugin imports only torch, the
+standard library and ``tracer.records`` / ``tracer.store`` (to read traces).
 
 :mod:`reference_impl.layouts`
     Readers and writers for the KV-cache layouts vLLM allocates (FlashAttention packed
@@ -11,6 +12,12 @@ Two modules, importing nothing but torch and the standard library (never vllm):
     Paged attention as a readable block loop with online softmax, as a fast batched
     gather, and split into partitions merged by log-sum-exp; a dense reference; and
     tolerance helpers that measure error against a low-precision baseline.
+:mod:`reference_impl.replay`
+    Reruns each captured step from a trace and compares with vLLM's output; checks the
+    KV write path and the legacy layout (``pagedtrace replay``).
+:mod:`reference_impl.testing`, :mod:`reference_impl.pytest_plugin`, :mod:`reference_impl.kernel_check`
+    Check any user's kernel against real vLLM steps, from Python or pytest
+    (``pytest -p reference_impl.pytest_plugin``; the plugin imports pytest).
 """
 
 from reference_impl.kernel import (
