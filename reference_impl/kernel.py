@@ -42,7 +42,9 @@ The forms:
 :func:`paged_attention_fast`
     No loop over blocks: a range of blocks is gathered with one ``index_select`` and a
     masked softmax runs over it; short sequences are padded into one batch, long
-    contexts are cut into key ranges merged by log-sum-exp. Used to replay traces.
+    contexts are cut into key ranges merged by log-sum-exp. One-query (decode) rows need
+    no mask: their keys are read unpadded, in chunks small enough to stay in cache.
+    Used to replay traces.
 :func:`paged_attention_partitioned`
     The v2 kernel's ``PARTITION_SIZE`` split: each partition yields ``(out, lse)`` and
     :func:`combine_partitions` merges them. The same merge is what cascade attention
@@ -317,20 +319,22 @@ def _attend_gathered(
     num_keys = k.shape[1]
     q_rows = q.reshape(num_kv_heads, num_seqs, group * num_q, head_size)
     s = _strided_bmm(q_rows, k, transpose_y=True)  # "hbgtd,bnhd->hbgtn"
-    s = s.view(num_kv_heads, num_seqs, group, num_q, num_keys) * scale
+    # The logits are the largest tensor here: every step below works on them in place
+    # (a fresh tensor per step costs page faults and cache misses, not arithmetic).
+    s = s.view(num_kv_heads, num_seqs, group, num_q, num_keys).mul_(scale)
     if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
+        s.div_(softcap).tanh_().mul_(softcap)
     if alibi_slopes is not None:
         distance = (q_pos[:, :, None] - k_pos[:, None, :]).abs()  # [b, t, n], |pos - j|
         slopes = alibi_slopes.to(s.dtype).view(num_kv_heads, 1, group, 1, 1)
-        s = s - slopes * distance[None, :, None]
+        s.sub_(slopes * distance[None, :, None])
     if visible is not None:
-        s = s.masked_fill(~visible[None, :, None], -math.inf)
+        s.masked_fill_(~visible[None, :, None], -math.inf)
 
     m = s.amax(dim=-1)  # [h, b, g, t]
     # Rows with nothing visible have m = -inf: subtract 0 there, keeping exp() at 0.
     m_ref = m if visible is None else torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(s - m_ref[..., None])
+    p = s.sub_(m_ref[..., None]).exp_()
     l = p.sum(dim=-1)
     p_rows = p.view(num_kv_heads, num_seqs, group * num_q, num_keys)
     o = _strided_bmm(p_rows, v, transpose_y=False)  # "hbgtn,bnhd->hbgtd"
@@ -364,6 +368,129 @@ def _gather_blocks(
 
 
 # --------------------------------------------------------------------------- fast
+
+
+def _convert_into(
+    dst: torch.Tensor, src: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`_read_cache` into a reused buffer ``dst`` (same shape, compute dtype).
+
+    A fresh tensor per gathered chunk costs page faults on every call; a buffer that
+    stays warm in cache does not.
+    """
+    if src.dtype in _FP8_STORAGE:
+        if src.dtype == torch.uint8:
+            src = src.view(torch.float8_e4m3fn)
+        return dst.copy_(src).mul_(scale)
+    return dst.copy_(src)
+
+
+#: K elements per thread in one decode chunk: the chunk in the cache dtype, in the compute
+#: dtype and the cache lines it was read from must stay in a core's L2 (about 1 MB used
+#: here); larger chunks cost more in cache misses than they save in calls.
+_DECODE_CHUNK_ELEMS = 1 << 17
+
+
+def _attend_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: list[list[int]],
+    decode: list[tuple[int, int, int]],
+    *,
+    left: int,
+    scale: float,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
+    compute_dtype: torch.dtype,
+    chunk_blocks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the one-query rows (decode): no mask, no padding, no merges.
+
+    A lone query at position ``s - 1`` sees keys ``[first, s)``: causality and the right
+    window cut nothing, the left window only moves ``first``. Each row's keys are read in
+    chunks of at most ``chunk_blocks`` blocks, gathered into the same two buffers (cache
+    dtype, then compute dtype) so that they stay in cache: a first pass gives each row's
+    logits ``[h, g, n]``, a plain softmax follows, a second pass sums ``p @ v``.
+
+    Args:
+        query: ``[T, H, D]``.
+        key_cache, value_cache: ``[num_blocks, block_size, H_kv, D]``, contiguous.
+        table: ``block_table`` as lists (row ``b`` maps logical block -> physical block).
+        decode: ``(b, row, s)`` per row: sequence, query row, keys of the sequence.
+
+    Returns:
+        ``(out [r, H, D], lse [r, H])`` for the rows of ``decode``, in its order.
+    """
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+
+    chunks: list[tuple[int, int, int, int]] = []  # (row i, blocks m, first slot, keys n)
+    blocks: list[int] = []
+    first_keys = []
+    for i, (b, _, seq_len) in enumerate(decode):
+        first = max(0, seq_len - 1 - left) if left >= 0 else 0
+        first_keys.append(first)
+        num_blocks = _cdiv(seq_len, block_size)
+        for lo in range(first // block_size, num_blocks, chunk_blocks):
+            hi = min(lo + chunk_blocks, num_blocks)
+            start, end = max(first, lo * block_size), min(seq_len, hi * block_size)
+            chunks.append((i, hi - lo, start - lo * block_size, end - start))
+            blocks.extend(table[b][lo:hi])
+    chunk_ids = torch.tensor(blocks, dtype=torch.long).split([c[1] for c in chunks])
+    width = max(c[1] for c in chunks)
+    raw = torch.empty((width,) + key_cache.shape[1:], dtype=key_cache.dtype)
+    converted = torch.empty((width,) + key_cache.shape[1:], dtype=compute_dtype)
+    views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+
+    def read(cache: torch.Tensor, ids: torch.Tensor, cache_scale: float, m: int, skip: int,
+             n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's ``[n, h, d]`` tokens, in the compute dtype, as ``[h, d, n]`` (for
+        the logits) and ``[h, n, d]`` (for ``p @ v``) views of ``converted``."""
+        if (m, skip, n) not in views:  # most chunks share one shape: build views once
+            tokens = converted[:m].view(-1, num_kv_heads, head_size)[skip : skip + n]
+            views[m, skip, n] = (
+                raw[:m], converted[:m], tokens.permute(1, 2, 0), tokens.permute(1, 0, 2)
+            )
+        raw_m, converted_m, by_dim, by_token = views[m, skip, n]
+        torch.index_select(cache, 0, ids, out=raw_m)
+        _convert_into(converted_m, raw_m, cache_scale)
+        return by_dim, by_token
+
+    rows = torch.tensor([row for _, row, _ in decode])
+    q = query[rows].to(compute_dtype).view(len(decode), num_kv_heads, group, head_size).unbind()
+    logits: list[list[torch.Tensor]] = [[] for _ in decode]
+    for (i, m, skip, n), ids in zip(chunks, chunk_ids):
+        k_t, _ = read(key_cache, ids, k_scale, m, skip, n)
+        logits[i].append(torch.bmm(q[i], k_t))  # "hgd,nhd->hgn"
+
+    probs, m_rows, l_rows = [], [], []
+    for i, parts in enumerate(logits):
+        s = (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]).mul_(scale)  # [h, g, n]
+        if softcap > 0:
+            s.div_(softcap).tanh_().mul_(softcap)
+        if alibi_slopes is not None:
+            seq_len = decode[i][2]
+            distance = (seq_len - 1) - torch.arange(first_keys[i], seq_len)  # pos - j
+            s.sub_(alibi_slopes.to(compute_dtype).view(num_kv_heads, group, 1) * distance)
+        row_max = s.amax(dim=-1, keepdim=True)  # finite: a row sees at least its own key
+        p = s.sub_(row_max).exp_()
+        m_rows.append(row_max)
+        l_rows.append(p.sum(dim=-1, keepdim=True))
+        probs.append(p.split([n for j, _, _, n in chunks if j == i], dim=-1))
+
+    acc = torch.zeros(len(decode), num_kv_heads, group, head_size, dtype=compute_dtype)
+    acc_rows = acc.unbind()
+    probs_in_order = [p for parts in probs for p in parts]  # chunks are in row order
+    for (i, m, skip, n), ids, p in zip(chunks, chunk_ids, probs_in_order):
+        _, v = read(value_cache, ids, v_scale, m, skip, n)
+        acc_rows[i].baddbmm_(p, v)  # "hgn,nhd->hgd"
+    l = torch.stack(l_rows)  # [r, h, g, 1]
+    out = (acc / l).view(len(decode), num_heads, head_size)
+    return out, (torch.stack(m_rows) + torch.log(l)).view(len(decode), num_heads)
 
 
 class _WorkItem:
@@ -516,6 +643,9 @@ def paged_attention_fast(
     similar shape are padded into one batch; a long context is cut into key ranges of
     at most ``max_kv_elems`` gathered elements (small enough to stay in the CPU's L2
     cache: past that, memory passes dominate) whose results are merged by log-sum-exp.
+    Rows with one query (decode) skip all that: a plain softmax over each row's own keys,
+    read in chunks of at most ``min(max_kv_elems, 2**17 * threads)`` K elements (the
+    chunking, hence the last bits of the sums, depends on ``torch.get_num_threads()``).
 
     Args:
         query: ``[T, H, D]``.
@@ -550,9 +680,25 @@ def paged_attention_fast(
     # Key ranges of split rows, merged at the end: (row0, num_q) -> [(out, lse), ...]
     partials: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
+    lens, starts = seq_lens.tolist(), query_start_loc.tolist()
+    # One-query rows (decode) take the flat path; the others are batched work items.
+    decode = [
+        (b, starts[b], s) for b, s in enumerate(lens) if starts[b + 1] - starts[b] == 1 and s > 0
+    ]
+    if decode:
+        o, part_lse = _attend_decode(
+            query, key_cache, value_cache, block_table.tolist(), decode,
+            left=window[0], scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+            k_scale=k_scale, v_scale=v_scale, compute_dtype=compute_dtype,
+            chunk_blocks=max(1, min(max_kv_elems, _DECODE_CHUNK_ELEMS * torch.get_num_threads())
+                             // (kv_row * block_size)),
+        )
+        rows = torch.tensor([row for _, row, _ in decode])
+        out[rows], lse[rows] = o, part_lse
+        lens = [0 if starts[b + 1] - starts[b] == 1 else s for b, s in enumerate(lens)]
     items = _work_items(
-        seq_lens.tolist(), query_start_loc.tolist(), block_size, num_heads, kv_row, causal,
-        window, max_kv_elems, max_score_elems,
+        lens, starts, block_size, num_heads, kv_row, causal, window, max_kv_elems,
+        max_score_elems,
     )
     for members in _group_items(
         items, block_size, num_heads, kv_row, max_kv_elems, max_score_elems
