@@ -419,7 +419,7 @@ def compact_block_table(
 
 def _kernel_kwargs(record: StepRecord, spec: KVCacheSpec) -> dict[str, Any]:
     window = tuple(record.sliding_window) if record.sliding_window is not None else (-1, -1)
-    return {
+    kwargs: dict[str, Any] = {
         "scale": record.scale,
         "causal": record.causal,
         "window": window,
@@ -427,6 +427,12 @@ def _kernel_kwargs(record: StepRecord, spec: KVCacheSpec) -> dict[str, Any]:
         "k_scale": spec.k_scale,
         "v_scale": spec.v_scale,
     }
+    # Only models that have them pass these, so kernels without the keywords still run.
+    if record.alibi_slopes is not None:
+        kwargs["alibi_slopes"] = torch.tensor(record.alibi_slopes, dtype=torch.float32)
+    if record.sinks is not None:
+        kwargs["sinks"] = torch.tensor(record.sinks, dtype=torch.float32)
+    return kwargs
 
 
 def _run_kernel(name: str, *args: torch.Tensor, block_size: int, **kwargs: Any) -> torch.Tensor:

@@ -518,6 +518,8 @@ class Tracer:
                 tuple(int(b) for b in row[: math.ceil(s / block_size)]) for row, s in zip(rows, seq_lens)
             )
             rec = StepRecord(
+                alibi_slopes=_floats(getattr(p.impl, "alibi_slopes", None)),
+                sinks=_floats(getattr(p.impl, "sinks", None)),
                 step=p.step,
                 layer=p.layer,
                 kind=p.kind,
@@ -617,6 +619,13 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # noqa: BLE001 - not initialised: a single process
         return 0
+
+
+def _floats(tensor: Any) -> tuple[float, ...] | None:
+    """A small per-head tensor (ALiBi slopes, sinks) as floats; read at flush, off the hot path."""
+    if tensor is None:
+        return None
+    return tuple(float(x) for x in tensor.detach().float().cpu().tolist())
 
 
 @functools.lru_cache(maxsize=1)

@@ -193,6 +193,8 @@ class StepRecord(_JsonRecord):
     num_heads: int
     num_kv_heads: int
     head_size: int
+    alibi_slopes: tuple[float, ...] | None = None  #: per query head, when the model uses ALiBi
+    sinks: tuple[float, ...] | None = None  #: per query head attention-sink logits (e.g. gpt-oss), else None
     tensors: str | None = None  #: safetensors file under ``tensors/``, or None when not captured
     tensor_names: tuple[str, ...] = ()  #: tensors in that file
 
