@@ -14,7 +14,10 @@ import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich import box
 from rich.table import Table
+
+from pagedtrace.commands import short_layer
 
 #: ``--kernel`` choices, as ``reference_impl.replay.KERNELS`` names them.
 KERNEL_CHOICES = ("fast", "loop", "partitioned")
@@ -121,11 +124,12 @@ def _mark(ok: bool | None) -> str:
 
 def build_replay_table(report) -> Table:
     """One row per replayed (step, layer): errors, tolerance, heads, write path, legacy path."""
-    table = Table(title=f"replay ({report.kernel} kernel, KV layout {report.layout})")
-    for col in ("step", "kind", "layer", "reqs", "tokens", "max abs", "max rel", "tol",
-                "heads ok", "write", "legacy", "verdict"):
-        table.add_column(col, justify="right" if col in ("step", "reqs", "tokens", "max abs", "max rel", "tol")
-                         else "left", no_wrap=col == "layer")
+    table = Table(title=f"replay ({report.kernel} kernel, KV layout {report.layout})", box=box.SIMPLE_HEAD,
+                  padding=(0, 0), collapse_padding=True)
+    # Short headers: the table must stay readable in an 80-column terminal.
+    for col in ("step", "layer", "reqs", "tok", "max abs", "max rel", "tol", "heads", "write", "legacy", "ok"):
+        table.add_column(col, justify="right" if col in ("step", "reqs", "tok", "max abs", "max rel", "tol")
+                         else "left", no_wrap=True)
     writes = {(w.step, w.layer): w for w in report.write_path}
     legacies = {(c.step, c.layer): c for c in report.legacy}
     for r in report.steps:
@@ -133,10 +137,10 @@ def build_replay_table(report) -> Table:
         legacy = legacies.get((r.step, r.layer))
         heads_ok = sum(h.ok for h in r.heads)
         write_cell = "[dim]-[/]" if write is None else (
-            f"[green]{write.tokens} ok[/]" if write.ok else f"[bold red]{write.mismatches}/{write.tokens} bad[/]")
+            f"[green]{write.tokens}✓[/]" if write.ok else f"[bold red]{write.mismatches}/{write.tokens} bad[/]")
         verdict = r.ok and (write is None or write.ok) and (legacy is None or legacy.ok)
         table.add_row(
-            str(r.step), r.kind, r.layer, str(r.num_reqs), str(r.num_tokens), _num(r.max_abs), _num(r.max_rel),
+            str(r.step), short_layer(r.layer), str(r.num_reqs), str(r.num_tokens), _num(r.max_abs), _num(r.max_rel),
             _num(r.tol), f"{heads_ok}/{len(r.heads)}" if heads_ok == len(r.heads)
             else f"[red]{heads_ok}/{len(r.heads)}[/]",
             write_cell, _mark(None if legacy is None else legacy.ok), _mark(verdict),

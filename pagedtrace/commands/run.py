@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pagedtrace.commands import short_layer
 from tracer.records import StepRecord
 from tracer.store import Trace
 
@@ -126,7 +127,7 @@ def build_summary_table(trace: Trace) -> Table:
         used = {b for row in r.block_table for b in row}
         seq = ",".join(map(str, r.seq_lens[:6])) + ("…" if len(r.seq_lens) > 6 else "")
         shared = shared_blocks(r)
-        rows.append((r.step, [str(r.step), r.kind, r.layer, str(r.num_reqs), str(r.num_actual_tokens), seq,
+        rows.append((r.step, [str(r.step), r.kind, short_layer(r.layer), str(r.num_reqs), str(r.num_actual_tokens), seq,
                               str(len(used)), ",".join(map(str, sorted(shared))) or "-", "yes" if r.tensors else "-"]))
     for g in trace.gaps:
         rows.append((g.step, [str(g.step), g.kind, "[dim](not seen)[/]", "-", str(g.num_tokens or "-"),
