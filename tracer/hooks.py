@@ -185,6 +185,7 @@ class Tracer:
         self._env_backup: dict[str, str | None] = {}
         self._writer: TraceWriter | None = None
         self._write_failed = False
+        self._warned = False
         self._manifest_written = False
         self._layer_locked: str | None = None
         self._runner: Any = None
@@ -197,7 +198,7 @@ class Tracer:
         self._phase: list[str] = []
         self._seen_in_step = False
         self._seen_layers: set[str] = set()
-        self._capture_gap_noted = -1
+        self._gap_noted_step = -1
         self._v2_req_ids: tuple[str, ...] | None = None
         self.stats = {"records": 0, "gaps": 0, "tensor_files": 0}
 
@@ -414,8 +415,8 @@ class Tracer:
         self._seen_layers.add(name)
         if attn_metadata is None:
             # Profile runs build no attention metadata: vLLM skips attention itself.
-            if self._capture_gap_noted != self.step:
-                self._capture_gap_noted = self.step
+            if self._gap_noted_step != self.step:
+                self._gap_noted_step = self.step
                 kind = self._kind()
                 why = "profile run" if kind == "profile" else "warm-up pass"
                 self._record_gap(kind, f"attn_metadata is None: vLLM skips attention in this {why}", 0)
@@ -427,8 +428,8 @@ class Tracer:
             self._layer_locked = name
         self._seen_in_step = True
         if _capturing():
-            if self._capture_gap_noted != self.step:
-                self._capture_gap_noted = self.step
+            if self._gap_noted_step != self.step:
+                self._gap_noted_step = self.step
                 self._record_gap(self._kind(), "cuda-graph-capture: no copies allowed while capturing",
                                  int(attn_metadata.num_actual_tokens))
             return
@@ -578,7 +579,7 @@ class Tracer:
         return self._writer
 
     def _warn_once(self, message: str) -> None:
-        if not getattr(self, "_warned", False):
+        if not self._warned:
             self._warned = True
             logger.warning(message)
             import warnings

@@ -9,7 +9,7 @@ A trace directory::
     session.json         optional: what ``pagedtrace run`` asked for and got back
     replay.json          optional: ``pagedtrace replay``'s verdicts
 
-Nothing here pickles; torch and safetensors are imported only when tensors are
+Only JSON and safetensors are written or read; torch and safetensors are imported only when tensors are
 read or written, so a report can be built where neither is installed.
 """
 
