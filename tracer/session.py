@@ -116,7 +116,14 @@ def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
         vocab = int(json.loads(cfg_file.read_text()).get("vocab_size", 32000))
         has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
         return str(path), ("auto" if has_weights else LOAD_FORMAT), vocab, 0
-    return name, "auto", 32000, 0
+    try:  # a hub model: prompts must stay below its vocabulary size
+        from transformers import AutoConfig
+
+        vocab = int(getattr(AutoConfig.from_pretrained(name).get_text_config(), "vocab_size", 32000))
+    except Exception as exc:  # noqa: BLE001 - transformers raises several types for a bad id
+        raise ValueError(f"{name!r} is not a preset ({', '.join(PRESETS)}), a model directory, "
+                         f"or a model id the hub answers for: {str(exc).strip().splitlines()[0]}") from None
+    return name, "auto", vocab, 0
 
 
 class _ProgressBar:
