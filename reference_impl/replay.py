@@ -45,7 +45,7 @@ import torch
 
 from reference_impl import kernel as _kernel
 from reference_impl import layouts as _layouts
-from tracer.records import KVCacheSpec, StepRecord, TraceError
+from tracer.records import KVCacheSpec, StepRecord, TraceError, layer_index
 from tracer.store import REPLAY, Trace, write_side_file
 
 __all__ = [
@@ -602,15 +602,6 @@ def kv_spec(trace: Trace) -> KVCacheSpec:
     return spec
 
 
-def _layer_index(name: str) -> int | None:
-    """``model.layers.7.self_attn.attn`` -> 7 (the numbering ``pagedtrace run --layers`` uses)."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part == "layers" and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
-
-
 def _selected(record: StepRecord, steps: tuple[int | None, int | None] | None,
               layers: Iterable[str | int] | None) -> bool:
     if steps is not None:
@@ -619,7 +610,7 @@ def _selected(record: StepRecord, steps: tuple[int | None, int | None] | None,
             return False
     if layers is not None:
         wanted = set(layers)
-        if record.layer not in wanted and _layer_index(record.layer) not in wanted:
+        if record.layer not in wanted and layer_index(record.layer) not in wanted:
             return False
     return True
 

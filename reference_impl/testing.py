@@ -84,7 +84,7 @@ import torch
 
 from reference_impl import kernel as _kernel
 from reference_impl import replay as _replay
-from tracer.records import StepRecord, TraceError
+from tracer.records import StepRecord, TraceError, layer_index
 from tracer.store import Trace
 
 __all__ = [
@@ -178,7 +178,7 @@ class KernelCase:
 
 
 def _layer_label(layer: str) -> str:
-    index = _replay._layer_index(layer)
+    index = layer_index(layer)
     return f"layer{index}" if index is not None else "".join(c if c.isalnum() else "_" for c in layer)
 
 

@@ -38,6 +38,7 @@ from tracer.records import (
     ModelSummary,
     RunInfo,
     StepRecord,
+    layer_index,
 )
 from tracer.store import TraceWriter, sha256_text
 
@@ -138,15 +139,6 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
         return (int(a) if a else None, int(b) if b else None)
     except ValueError:
         raise ValueError(f"bad step range {text!r}: use START:STOP (e.g. 0:100)") from None
-
-
-def layer_index(name: str) -> int | None:
-    """``model.layers.7.self_attn.attn`` -> 7."""
-    parts = name.split(".")
-    for i, p in enumerate(parts[:-1]):
-        if p == "layers" and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
 
 
 @dataclass

@@ -229,6 +229,15 @@ _NESTED: dict[tuple[str, str], type[_JsonRecord]] = {
 _KEEP_AS_IS = {"options", "sources", "extra"}
 
 
+def layer_index(name: str) -> int | None:
+    """``model.layers.7.self_attn.attn`` -> 7 (the numbering ``--layers`` uses); None if no index."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
 def record_from_json(data: dict[str, Any]) -> StepRecord | GapRecord:
     """Decode one line of ``steps.jsonl`` (``{"type": "step"|"gap", ...}``)."""
     if not isinstance(data, dict) or "type" not in data:

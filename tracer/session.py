@@ -239,7 +239,7 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=bar if progress else False)
         gen_s = time.perf_counter() - t1
         result = SessionResult(
-            config=_jsonable(asdict(cfg)),
+            config=asdict(cfg),
             prompts=prompts,
             outputs=[list(o.outputs[0].token_ids) for o in outs],
             request_ids=[str(o.request_id) for o in outs],
@@ -255,7 +255,7 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
             from tracer.store import SESSION, write_side_file
 
             if trace_dir.is_dir():
-                write_side_file(trace_dir, SESSION, _jsonable(asdict(result)))
+                write_side_file(trace_dir, SESSION, asdict(result))  # json writes tuples as lists
         return result
     finally:
         if t is not None:
@@ -267,11 +267,3 @@ def _layers(text: str):
     from tracer.hooks import parse_layers
 
     return parse_layers(text)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
