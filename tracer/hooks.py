@@ -394,8 +394,7 @@ class Tracer:
     def _wants_tensors(self) -> bool:
         if not (self.options.tensors and self._kind() == "request"):
             return False
-        ids = self._v2_req_ids
-        return not (ids and all(r.startswith(WARMUP_REQ_PREFIX) for r in ids))
+        return not _is_warmup_batch(self._v2_req_ids)
 
     def _on_forward(self, impl, layer, query, kv_cache, attn_metadata, output) -> None:
         name = getattr(layer, "layer_name", "") or f"layer{id(layer)}"
@@ -463,7 +462,7 @@ class Tracer:
             dev.update(kv_in)
         req_ids = self._req_ids(num_reqs)
         kind = self._kind()
-        if kind == "request" and req_ids and all(r.startswith(WARMUP_REQ_PREFIX) for r in req_ids):
+        if kind == "request" and _is_warmup_batch(req_ids):
             kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
         self._pending.append(_Pending(self.step, kind, name, impl, metadata, dev, kv_cache, req_ids))
 
@@ -612,6 +611,11 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # noqa: BLE001 - not initialised: a single process
         return 0
+
+
+def _is_warmup_batch(req_ids: tuple[str, ...] | None) -> bool:
+    """True for the V2 runner's fake warm-up requests (``_warmup_<i>_``)."""
+    return bool(req_ids) and all(r.startswith(WARMUP_REQ_PREFIX) for r in req_ids)
 
 
 def _floats(tensor: Any) -> tuple[float, ...] | None:
