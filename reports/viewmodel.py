@@ -1061,10 +1061,7 @@ def step_view(record: StepRecord, run: RunInfo, layers: tuple[str, ...], replay_
               prev: int | None, next_: int | None, nav: tuple[Link, ...]) -> StepPage:
     """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay verdicts."""
     bs = run.kv_cache.block_size if run.kv_cache else 16
-    counts: dict[int, int] = {}
-    for row in record.block_table:
-        for block in set(row):
-            counts[block] = counts.get(block, 0) + 1
+    shared_set = record.shared_blocks
     written_offsets: dict[int, set[int]] = {}
     for slot in record.slot_mapping:
         if slot >= 0:
@@ -1081,13 +1078,13 @@ def step_view(record: StepRecord, run: RunInfo, layers: tuple[str, ...], replay_
             elided = len(indices) - MAX_ROW_CELLS
             indices = indices[:HEAD_CELLS] + indices[-tail:]
         cells = tuple(
-            _cell(table_row[j], j, bs, counts[table_row[j]] > 1, written_offsets, seq_len, seq_len - q)
+            _cell(table_row[j], j, bs, table_row[j] in shared_set, written_offsets, seq_len, seq_len - q)
             for j in indices
         )
         rid = record.request_ids[i] if i < len(record.request_ids) else ""
         rows.append(RequestRow(i, rid, q, seq_len, seq_len - q, cells, elided, HEAD_CELLS if elided else -1))
     runs = slot_runs(record, bs)
-    shared = sorted(b for b, c in counts.items() if c > 1)
+    shared = sorted(shared_set)
     facts = (
         Row("layer records", f"{len(layers)}: {', '.join(layers[:3])}{' …' if len(layers) > 3 else ''}"),
         Row("num_actual_tokens", str(record.num_actual_tokens)),

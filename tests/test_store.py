@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -108,3 +109,10 @@ def test_no_pickle_in_a_trace(trace_dir):
     for f in trace_dir.rglob("*"):
         if f.is_file():
             assert not f.read_bytes().startswith(b"\x80"), f  # pickle protocol 2+ header
+
+
+def test_shared_blocks_are_blocks_in_more_than_one_row():
+    rec = dataclasses.replace(_step(1), block_table=((1, 2, 7), (1, 2, 8), (1, 9)), seq_lens=(40, 40, 20),
+                              query_start_loc=(0, 1, 2, 3))
+    assert rec.shared_blocks == {1, 2}
+    assert dataclasses.replace(rec, block_table=((3, 3), (4,))).shared_blocks == frozenset()

@@ -204,6 +204,16 @@ class StepRecord(_JsonRecord):
         return len(self.seq_lens)
 
     @property
+    def shared_blocks(self) -> frozenset[int]:
+        """Physical blocks in more than one block-table row (prefix caching at work)."""
+        seen: set[int] = set()
+        shared: set[int] = set()
+        for row in self.block_table:
+            for block in set(row):
+                (shared if block in seen else seen).add(block)
+        return frozenset(shared)
+
+    @property
     def query_lens(self) -> tuple[int, ...]:
         """Per request: query tokens in this step."""
         q = self.query_start_loc

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 from pathlib import Path
 
 from rich.console import Console
@@ -11,7 +10,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from pagedtrace.commands import short_layer
-from tracer.records import StepRecord
 from tracer.store import Trace
 
 
@@ -111,12 +109,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def shared_blocks(record: StepRecord) -> set[int]:
-    """Physical blocks that appear in more than one block-table row."""
-    counts = Counter(b for row in record.block_table for b in set(row))
-    return {b for b, c in counts.items() if c > 1}
-
-
 def build_summary_table(trace: Trace) -> Table:
     """Steps by kind, requests, blocks in use and shared blocks."""
     table = Table(title=f"trace {trace.path}", show_lines=False)
@@ -126,7 +118,7 @@ def build_summary_table(trace: Trace) -> Table:
     for r in trace.records:
         used = {b for row in r.block_table for b in row}
         seq = ",".join(map(str, r.seq_lens[:6])) + ("…" if len(r.seq_lens) > 6 else "")
-        shared = shared_blocks(r)
+        shared = r.shared_blocks
         rows.append((r.step, [str(r.step), r.kind, short_layer(r.layer), str(r.num_reqs), str(r.num_actual_tokens), seq,
                               str(len(used)), ",".join(map(str, sorted(shared))) or "-", "yes" if r.tensors else "-"]))
     for g in trace.gaps:
