@@ -5,9 +5,10 @@ about ``--batch`` decoding sequences (lengths ``--min-len``..``--max-len``), wit
 chunked-prefill chunk mixed into every ``--prefill-every``-th step, all paged through a
 shuffled block pool. Then replays every step through ``paged_attention_fast`` and a
 random sample of steps through ``paged_attention_loop`` (extrapolated by KV tokens read),
-and prints steps/s, KV bytes/s, seconds per 1,000 steps and the speed-up, once per torch
-thread count (``--threads 1,2``), with the machine's load average around each run (on a
-shared machine, a load above the thread count means the figures are pessimistic).
+and prints steps/s, KV bytes/s, seconds per 1,000 steps, the speed-up and the read floor
+(the time to only gather the same bytes, see :func:`read_floor`), once per torch thread
+count (``--threads 1,2``), with the machine's load average around each run (on a shared
+machine, a load above the thread count means the figures are pessimistic).
 Figures only, no asserts; the targets of the issue are printed next to them::
 
     python benchmarks/replay.py --steps 1000
@@ -124,6 +125,26 @@ def replay(kernel, steps, query_pool, key_cache, value_cache, scale) -> float:
     return time.perf_counter() - start
 
 
+def read_floor(steps, key_cache, value_cache, chunk_blocks: int = 32) -> float:
+    """Seconds to only gather every K and V block the steps read, in the cache dtype, in
+    chunks of ``chunk_blocks`` into one reused buffer: no conversion, no math. What any
+    kernel that reads the cache through torch ops pays at least, on this machine."""
+    block_size = key_cache.shape[1]
+    chunks = []
+    for step in steps:
+        ids = torch.cat([
+            step.block_table[b, : -(-seq_len // block_size)]
+            for b, seq_len in enumerate(step.seq_lens.tolist())
+        ]).long()
+        chunks.extend(ids.split(chunk_blocks))
+    buffer = torch.empty((chunk_blocks,) + key_cache.shape[1:], dtype=key_cache.dtype)
+    start = time.perf_counter()
+    for ids in chunks:
+        torch.index_select(key_cache, 0, ids, out=buffer[: len(ids)])
+        torch.index_select(value_cache, 0, ids, out=buffer[: len(ids)])
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
@@ -177,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()[0]
         replay(paged_attention_fast, steps[:3], query_pool, key_cache, value_cache, scale)
         fast_s = replay(paged_attention_fast, steps, query_pool, key_cache, value_cache, scale)
+        floor_s = read_floor(steps, key_cache, value_cache)
         loop_s = replay(paged_attention_loop, sample, query_pool, key_cache, value_cache, scale)
         fast_sample_s = replay(paged_attention_fast, sample, query_pool, key_cache, value_cache,
                                scale)
@@ -190,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  fast: {fast_s:.2f} s for {len(steps)} steps = {len(steps) / fast_s:.1f} steps/s, "
               f"{kv_bytes / fast_s / 1e9:.2f} GB/s of KV, {per_1000:.2f} s per 1000 steps "
               f"(target <= {TARGET_S_PER_1000:g} s: {met})")
+        print(f"  read floor: {floor_s:.2f} s = {kv_bytes / floor_s / 1e9:.2f} GB/s (gathering "
+              f"the blocks' bytes alone, no conversion or math); fast takes "
+              f"{fast_s / floor_s:.1f}x that; a fast kernel {TARGET_SPEEDUP:g}x the loop would take "
+              f"{loop_full_s / TARGET_SPEEDUP / floor_s:.1f}x")
         print(f"  loop: {loop_s:.2f} s for {len(sample)} sampled steps ({sample_kv} KV tokens) "
               f"-> {loop_full_s:.1f} s extrapolated to all steps, "
               f"{len(steps) / loop_full_s:.2f} steps/s")
