@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_impl import paged_attention_fast, paged_attention_loop  # noqa: E402
+from reference_impl.compiled import CompiledKernelError, load, paged_attention_compiled  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TARGET_S_PER_1000 = 10.0  #: the issue's target for the fast kernel, on a 2-core CPU
@@ -199,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         replay(paged_attention_fast, steps[:3], query_pool, key_cache, value_cache, scale)
         fast_s = replay(paged_attention_fast, steps, query_pool, key_cache, value_cache, scale)
         floor_s = read_floor(steps, key_cache, value_cache)
+        try:
+            load()
+            replay(paged_attention_compiled, steps[:3], query_pool, key_cache, value_cache, scale)
+            compiled_s = replay(paged_attention_compiled, steps, query_pool, key_cache,
+                                value_cache, scale)
+        except CompiledKernelError as exc:
+            compiled_s, compiled_error = None, str(exc)
         loop_s = replay(paged_attention_loop, sample, query_pool, key_cache, value_cache, scale)
         fast_sample_s = replay(paged_attention_fast, sample, query_pool, key_cache, value_cache,
                                scale)
@@ -212,6 +220,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  fast: {fast_s:.2f} s for {len(steps)} steps = {len(steps) / fast_s:.1f} steps/s, "
               f"{kv_bytes / fast_s / 1e9:.2f} GB/s of KV, {per_1000:.2f} s per 1000 steps "
               f"(target <= {TARGET_S_PER_1000:g} s: {met})")
+        if compiled_s is None:
+            print(f"  compiled (fast + C++ decode rows): not measured, {compiled_error}")
+        else:
+            c_per_1000 = compiled_s * 1000 / len(steps)
+            print(f"  compiled (fast + C++ decode rows): {compiled_s:.2f} s = "
+                  f"{len(steps) / compiled_s:.1f} steps/s, {kv_bytes / compiled_s / 1e9:.2f} GB/s of KV, "
+                  f"{c_per_1000:.2f} s per 1000 steps (target: "
+                  f"{'met' if c_per_1000 <= TARGET_S_PER_1000 else 'not met'}); "
+                  f"{loop_full_s / compiled_s:.1f}x the loop (target: "
+                  f"{'met' if loop_full_s / compiled_s >= TARGET_SPEEDUP else 'not met'})")
         print(f"  read floor: {floor_s:.2f} s = {kv_bytes / floor_s / 1e9:.2f} GB/s (gathering "
               f"the blocks' bytes alone, no conversion or math); fast takes "
               f"{fast_s / floor_s:.1f}x that; a fast kernel {TARGET_SPEEDUP:g}x the loop would take "

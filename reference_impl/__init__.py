@@ -12,6 +12,9 @@ standard library and ``tracer.records`` / ``tracer.store`` (to read traces).
     Paged attention as a readable block loop with online softmax, as a fast batched
     gather, and split into partitions merged by log-sum-exp; a dense reference; and
     tolerance helpers that measure error against a low-precision baseline.
+:mod:`reference_impl.compiled`
+    :func:`paged_attention_fast` with its decode rows in a small C++ kernel built on first
+    use (opt-in, for replaying long traces; needs a C++ compiler and ninja).
 :mod:`reference_impl.replay`
     Reruns each captured step from a trace and compares with vLLM's output; checks the
     KV write path and the legacy layout (``pagedtrace replay``).

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from reference_impl import compiled as _compiled
 from reference_impl import kernel as _kernel
 from reference_impl import layouts as _layouts
 from tracer.records import KVCacheSpec, StepRecord, TraceError, layer_index
@@ -78,6 +79,7 @@ KERNELS: dict[str, Callable[..., torch.Tensor]] = {
     "fast": _kernel.paged_attention_fast,
     "loop": _kernel.paged_attention_loop,
     "partitioned": _kernel.paged_attention_partitioned,
+    "compiled": _compiled.paged_attention_compiled,
 }
 
 #: The CPU backend's ``amx`` packing (``reference_impl.layouts``). Trace format 1 writes

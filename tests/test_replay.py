@@ -106,7 +106,11 @@ def test_cpu_layout_is_the_packing_this_host_uses(trace, report):
     assert report.layout == expected
 
 
-@pytest.mark.parametrize("kernel", ["loop", "partitioned"])
+NEEDS_CXX = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                               reason="no C++ compiler for the compiled kernel")
+
+
+@pytest.mark.parametrize("kernel", ["loop", "partitioned", pytest.param("compiled", marks=NEEDS_CXX)])
 def test_every_kernel_form_gives_the_same_verdict(trace, report, kernel):
     other = replay_trace(trace, kernel=kernel, steps=(0, 4), check_write=False, check_legacy=False)
     assert other.ok and other.kernel == kernel
@@ -307,3 +311,15 @@ def test_cli_exit_2_on_a_missing_tensor_file(cpu_trace, tmp_path):
 def test_cli_exit_2_on_a_directory_that_is_no_trace(tmp_path):
     code, out = _cli("replay", str(tmp_path))
     assert code == 2 and out.startswith("error:") and "Traceback" not in out
+
+
+def test_compiled_kernel_that_cannot_build_is_a_clear_error(cpu_trace, monkeypatch):
+    from reference_impl import compiled
+
+    monkeypatch.setattr(compiled, "_module", None)
+    monkeypatch.setattr(compiled, "_error", "cannot build the compiled decode kernel (it needs "
+                                            "a C++ compiler and ninja): no compiler here")
+    code, out = _cli("replay", str(cpu_trace), "--kernel", "compiled")
+    assert code == 2
+    assert "cannot build the compiled decode kernel" in out and "use --kernel fast" in out
+    assert "Traceback" not in out

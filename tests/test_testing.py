@@ -440,7 +440,7 @@ def test_cli_kernel_in_the_current_directory_imports(h200_copy, wrong_kernel_dir
 
 
 @pytest.mark.parametrize("kernel, message", [
-    ("fastest", "unknown kernel 'fastest': use one of fast, loop, partitioned or MODULE:FUNCTION"),
+    ("fastest", "unknown kernel 'fastest': use one of fast, loop, partitioned, compiled or MODULE:FUNCTION"),
     ("no_such_module_xyz:attn", "cannot import 'no_such_module_xyz'"),
     ("reference_impl.kernel:nope", "has no attribute 'nope'"),
     ("reference_impl.kernel:", "expected MODULE:FUNCTION"),

@@ -20,7 +20,7 @@ from rich.table import Table
 from pagedtrace.commands import short_layer
 
 #: ``--kernel`` choices, as ``reference_impl.replay.KERNELS`` names them.
-KERNEL_CHOICES = ("fast", "loop", "partitioned")
+KERNEL_CHOICES = ("fast", "loop", "partitioned", "compiled")
 
 
 def _steps(text: str) -> tuple[int | None, int | None]:
@@ -52,7 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace", metavar="TRACE", help="trace directory (from `pagedtrace run`, tensors on)")
     p.add_argument("--kernel", default="fast", metavar="KERNEL",
                    help="reference form: fast (batched gather), loop (the kernel's block loop), "
-                        "partitioned (v2 split + log-sum-exp merge) (default: %(default)s); or "
+                        "partitioned (v2 split + log-sum-exp merge), compiled (fast with decode rows in a C++ "
+                        "kernel built on first use; needs g++ and ninja) (default: %(default)s); or "
                         "MODULE:FUNCTION (e.g. mypkg.attn:paged_attention, ./attn.py:paged_attention): "
                         "check your own kernel, signature as reference_impl.kernel, on every captured "
                         "request step instead of vLLM (replay.json is not written)")
@@ -71,6 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     """Replay with a progress bar, print the table (or JSON), save ``replay.json``; 0 if all ok."""
     from pagedtrace.cli import UsageError
+    from reference_impl.compiled import CompiledKernelError
     from reference_impl.replay import replay_trace, save_report
     from tracer.store import Trace
 
@@ -94,7 +96,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
                                      f"max abs {result.max_abs:.3g} > tol {result.tol:.3g}"
                                      + (f" ({result.note})" if result.note else ""))
 
-        report = replay_trace(trace, steps=args.steps, layers=args.layers, kernel=args.kernel, progress=on_step)
+        try:
+            report = replay_trace(trace, steps=args.steps, layers=args.layers, kernel=args.kernel,
+                                  progress=on_step)
+        except CompiledKernelError as exc:
+            raise UsageError(f"{exc}; use --kernel fast") from exc
     if args.save:
         save_report(trace, report)
     if args.json:
