@@ -19,8 +19,11 @@ The plain-torch forms stay the reference; this one is for replaying long traces 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
+import os
 import platform
+import shutil
 import threading
 from types import ModuleType
 
@@ -279,6 +282,18 @@ def _cpu_tag() -> str:
     return hashlib.sha256((_SOURCE + info + torch.__version__).encode()).hexdigest()[:16]
 
 
+def _find_ninja() -> None:
+    """torch runs ``ninja`` from PATH; a venv's ninja (the PyPI package) is not on it unless
+    the venv is activated: put that one directory on PATH when no other ninja is."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # the PyPI package: a ninja binary in its BIN_DIR
+    except ImportError:
+        return  # torch's own error says what is missing
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def load() -> ModuleType:
     """Build (once per process; torch caches the binary on disk) and return the extension.
 
@@ -293,7 +308,16 @@ def load() -> ModuleType:
         if _error is not None:
             raise CompiledKernelError(_error)
         try:
-            from torch.utils.cpp_extension import load_inline
+            # Importing cpp_extension on a CUDA build without CUDA logs a warning about
+            # CUDA_HOME that does not concern a CPU-only build: keep it quiet.
+            logger = logging.getLogger("torch.utils.cpp_extension")
+            level = logger.level
+            logger.setLevel(logging.ERROR)
+            try:
+                from torch.utils.cpp_extension import load_inline
+            finally:
+                logger.setLevel(level)
+            _find_ninja()
 
             _module = load_inline(
                 f"pagedtrace_decode_{_cpu_tag()}", _SOURCE, functions=["decode"],
