@@ -6,11 +6,13 @@ spends most of its time in those ops (``benchmarks/replay.py``). This module bui
 use, a small C++ flash-decoding kernel with ``torch.utils.cpp_extension.load_inline`` (a C++
 compiler and ninja are needed; the build, ~30 s, is cached by torch) and runs the one-query
 rows through it (sums in fp32 or fp64, the compute dtype); every other row, and every batch
-it does not cover (a cache other than bf16, a bf16/fp16 compute dtype, soft-cap, ALiBi, a head
-size not in ``HEAD_SIZES``), goes to :func:`paged_attention_fast` unchanged. The kernel: per sequence and partition of 256 keys, read each token's K for all
-heads (one contiguous run), convert bf16 -> fp32, logits, softmax, ``p @ v``; partitions merge
-by log-sum-exp, as :func:`reference_impl.kernel.combine_partitions` does. Results equal the
-torch path to fp32 rounding (``tests/test_compiled.py``).
+it does not cover (a cache other than bf16, a bf16/fp16 compute dtype, soft-cap, ALiBi, a
+head size not in ``HEAD_SIZES``), goes to :func:`paged_attention_fast` unchanged.
+
+The kernel, per sequence and partition of 256 keys: read each token's K for all heads (one
+contiguous run), convert it from bf16, logits, softmax, ``p @ v``; the partitions of a
+sequence merge by log-sum-exp, as :func:`reference_impl.kernel.combine_partitions` does.
+Results equal the torch path to rounding (``tests/test_compiled.py``).
 
 The plain-torch forms stay the reference; this one is for replaying long traces quickly
 (``pagedtrace replay --kernel compiled``).
@@ -29,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-from reference_impl.kernel import _cdiv, _check_args, paged_attention_fast
+from reference_impl.kernel import _add_sinks, _cdiv, _check_args, paged_attention_fast
 
 __all__ = ["paged_attention_compiled", "load", "CompiledKernelError", "HEAD_SIZES"]
 
@@ -364,8 +366,8 @@ def paged_attention_compiled(
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     decode = [b for b, s in enumerate(lens) if s > 0 and q_lens[b] == 1]
     covered = (key_cache.dtype == torch.bfloat16 and value_cache.dtype == torch.bfloat16
-               and compute_dtype in (torch.float32, torch.float64) and softcap <= 0 and alibi_slopes is None
-               and query.shape[-1] in HEAD_SIZES)
+               and compute_dtype in (torch.float32, torch.float64) and softcap <= 0
+               and alibi_slopes is None and query.shape[-1] in HEAD_SIZES)
     if not decode or not covered:
         return paged_attention_fast(query, key_cache, value_cache, block_table, seq_lens,
                                     query_start_loc, sinks=sinks, return_lse=return_lse, **kwargs)
@@ -387,7 +389,7 @@ def paged_attention_compiled(
     decode_lens = torch.tensor([lens[b] for b in decode], dtype=torch.long)
     width = _cdiv(max(lens[b] for b in decode), block_size)
     table = block_table[decode, :width].long().contiguous()
-    # The kernel reads what the table says, unchecked: check the part it will read here.
+    # The kernel checks the blocks it reads too, but by its own row numbers: name the batch's.
     used = torch.arange(width)[None, :] < ((decode_lens + block_size - 1) // block_size)[:, None]
     bad = used & ((table < 0) | (table >= num_blocks))
     if bool(bad.any()):
@@ -401,11 +403,8 @@ def paged_attention_compiled(
                                 decode_lens, firsts, float(scale))
     o, part_lse = o.view(len(decode), num_heads, head_size), part_lse.view(len(decode), num_heads)
     out[rows], lse[rows] = o, part_lse
-    if sinks is not None:  # as paged_attention_fast does, for all rows at once
-        is_query = (torch.arange(out.shape[0]) < starts[-1])[:, None]
-        with_sink = torch.where(is_query, torch.logaddexp(lse, sinks.to(out.dtype)[None, :]), lse)
-        out = out * torch.exp(lse - with_sink).nan_to_num(0.0)[..., None]
-        lse = with_sink
+    if sinks is not None:
+        out, lse = _add_sinks(out, lse, sinks, starts[-1])
     if return_lse:
         return out, lse
     return out

@@ -114,6 +114,25 @@ def _check_args(
             f"block_table [>= {num_seqs}, ...]; got {tuple(query_start_loc.shape)}, "
             f"{tuple(block_table.shape)}"
         )
+    if num_seqs and block_table.shape[1] * key_cache.shape[1] < int(seq_lens.max()):
+        longest = int(seq_lens.argmax())
+        raise ValueError(
+            f"block_table has {block_table.shape[1]} columns of {key_cache.shape[1]} slots; "
+            f"sequence {longest} has {int(seq_lens[longest])} keys"
+        )
+
+
+def _add_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, num_queries: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the sink logits ``[H]`` to the softmax of rows ``< num_queries``.
+
+    The sink joins every query's denominator once: ``out [T, H, D]`` is scaled by the share
+    the keys keep, ``lse [T, H]`` becomes the log of the whole denominator.
+    """
+    is_query = (torch.arange(out.shape[0]) < num_queries)[:, None]
+    with_sink = torch.where(is_query, torch.logaddexp(lse, sinks.to(lse.dtype)[None, :]), lse)
+    return out * torch.exp(lse - with_sink).nan_to_num(0.0)[..., None], with_sink
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -769,11 +788,7 @@ def paged_attention_fast(
         lse[row0 : row0 + num_q] = merged_lse
 
     if sinks is not None:
-        # The sink joins every query's denominator once: scale by the share the keys keep.
-        is_query = (torch.arange(num_tokens) < int(query_start_loc[-1]))[:, None]
-        with_sink = torch.where(is_query, torch.logaddexp(lse, sinks.to(compute_dtype)[None, :]), lse)
-        out = out * torch.exp(lse - with_sink).nan_to_num(0.0)[..., None]
-        lse = with_sink
+        out, lse = _add_sinks(out, lse, sinks, int(query_start_loc[-1]))
     if return_lse:
         return out, lse
     return out

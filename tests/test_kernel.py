@@ -349,3 +349,11 @@ def test_compare_without_baseline_uses_eps():
     assert not K.compare(x + 1e-3, x)["ok"]
     with pytest.raises(ValueError):
         K.compare(x, x[:1])
+
+
+@pytest.mark.parametrize("form", ["paged_attention_loop", "paged_attention_fast", "paged_attention_partitioned"])
+def test_block_table_too_narrow_is_a_clear_error(form):
+    cache = torch.randn(4, 16, 1, 8)
+    args = (torch.randn(1, 1, 8), cache, cache, torch.tensor([[0, 1]]), torch.tensor([40]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"block_table has 2 columns of 16 slots; sequence 0 has 40 keys"):
+        getattr(K, form)(*args, scale=0.1)
