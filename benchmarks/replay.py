@@ -5,6 +5,7 @@ about ``--batch`` decoding sequences (lengths ``--min-len``..``--max-len``), wit
 chunked-prefill chunk mixed into every ``--prefill-every``-th step, all paged through a
 shuffled block pool. Then replays every step through ``paged_attention_fast`` and a
 random sample of steps through ``paged_attention_loop`` (extrapolated by KV tokens read),
+and every step through ``paged_attention_compiled`` (decode rows in C++; built on first use),
 and prints steps/s, KV bytes/s, seconds per 1,000 steps, the speed-up and the read floor
 (the time to only gather the same bytes, see :func:`read_floor`), once per torch thread
 count (``--threads 1,2``), with the machine's load average around each run (on a shared

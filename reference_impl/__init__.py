@@ -23,6 +23,7 @@ standard library and ``tracer.records`` / ``tracer.store`` (to read traces).
     (``pytest -p reference_impl.pytest_plugin``; the plugin imports pytest).
 """
 
+from reference_impl.compiled import paged_attention_compiled
 from reference_impl.kernel import (
     combine_partitions,
     compare,
@@ -86,6 +87,7 @@ __all__ = [
     "kv_to_legacy",
     "legacy_to_kv",
     "legacy_x",
+    "paged_attention_compiled",
     "paged_attention_fast",
     "paged_attention_loop",
     "paged_attention_partitioned",
