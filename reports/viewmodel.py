@@ -15,6 +15,7 @@ import io
 import keyword
 import re
 import tokenize
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -332,6 +333,19 @@ class _Strip:
             x += 8
         self.width = max(self.width, x)
 
+    def block_rows(self, y: int, row_h: int, blocks: list[int | None],
+                   groups_of: Callable[[int], list[tuple[str, list[tuple[str, str, int, str]]]]]) -> int:
+        """One row per block of ``blocks`` (``groups_of(b)`` draws it) from height ``y``; an
+        elided block (None) is a gap box. Returns the height below the last row."""
+        for b in blocks:
+            if b is None:
+                self.boxes.append(Box(_LEFT, y, 30, _BOX_H, "…", "gap", "more blocks"))
+                y += _BOX_H + 4
+                continue
+            self.row(y, f"block {b}", groups_of(b))
+            y += row_h
+        return y
+
 
 def _gap(title: str = "") -> tuple[str, str, int, str]:
     return ("…", "gap", 18, title)
@@ -365,13 +379,11 @@ def layout_view(spec: KVCacheSpec | None) -> LayoutView | None:
             f"K[b, t, h, :] = kv_cache[b, h, t, 0:{d}] at element b*{s0} + h*{s1} + t*{s2} + d*{s3}",
             f"V[b, t, h, :] = kv_cache[b, h, t, {d}:{2 * d}] at the same offset + {d * s3}",
         )
-        for b in blocks:
-            if b is None:
-                strip.boxes.append(Box(_LEFT, y, 30, _BOX_H, "…", "gap", "more blocks"))
-                y += _BOX_H + 4
-                continue
-            outer, inner = (_pick(bs), _pick(h)) if spec.layout == "flash_nhd" else (_pick(h), _pick(bs))
-            outer_name, inner_name = ("token", "head") if spec.layout == "flash_nhd" else ("head", "token")
+        nhd = spec.layout == "flash_nhd"
+        outer, inner = (_pick(bs), _pick(h)) if nhd else (_pick(h), _pick(bs))
+        outer_name, inner_name = ("token", "head") if nhd else ("head", "token")
+
+        def flash_groups(b: int) -> list:
             groups = []
             for o in outer:
                 if o is None:
@@ -382,14 +394,15 @@ def layout_view(spec: KVCacheSpec | None) -> LayoutView | None:
                     if i is None:
                         items.append(_gap(f"more {inner_name}s"))
                         continue
-                    t, hh = (o, i) if spec.layout == "flash_nhd" else (i, o)
+                    t, hh = (o, i) if nhd else (i, o)
                     off = b * s0 + hh * s1 + t * s2
-                    short = f"h{hh}" if spec.layout == "flash_nhd" else f"t{t}"
+                    short = f"h{hh}" if nhd else f"t{t}"
                     items.append((f"K {short}", "k", _BOX_W, f"K of block {b}, token {t}, head {hh}: elements {off}..{off + d * s3 - 1}"))
                     items.append((f"V {short}", "v", _BOX_W, f"V of block {b}, token {t}, head {hh}: elements {off + d * s3}..{off + 2 * d * s3 - 1}"))
                 groups.append((f"{outer_name} {o}", items))
-            strip.row(y, f"block {b}", groups)
-            y += row_h
+            return groups
+
+        y = strip.block_rows(y, row_h, blocks, flash_groups)
         caption = (
             f"One row per block in memory order; within a block: {spec.physical_order}. "
             f"Each K or V box is {d} contiguous elements."
@@ -399,11 +412,8 @@ def layout_view(spec: KVCacheSpec | None) -> LayoutView | None:
             f"K^T[b, h][d][t] at element b*{s0} + h*{s1} + d*{bs} + t",
             f"V[b, h][t][d] at element b*{s0} + h*{s1} + {bs * d} + t*{d} + d",
         )
-        for b in blocks:
-            if b is None:
-                strip.boxes.append(Box(_LEFT, y, 30, _BOX_H, "…", "gap", "more blocks"))
-                y += _BOX_H + 4
-                continue
+
+        def cpu_groups(b: int) -> list:
             groups = []
             for hh in _pick(h):
                 if hh is None:
@@ -414,8 +424,9 @@ def layout_view(spec: KVCacheSpec | None) -> LayoutView | None:
                     (f"K^T [{d}][{bs}]", "k", 3 * _BOX_W, f"K transposed of block {b}, head {hh}: elements {off}..{off + bs * d - 1}"),
                     (f"V [{bs}][{d}]", "v", 3 * _BOX_W, f"V of block {b}, head {hh}: elements {off + bs * d}..{off + 2 * bs * d - 1}"),
                 ]))
-            strip.row(y, f"block {b}", groups)
-            y += row_h
+            return groups
+
+        y = strip.block_rows(y, row_h, blocks, cpu_groups)
         caption = "One row per block; per (block, head) the CPU kernel stores K transposed, then V."
     elif spec.layout == "cpu_amx":
         formulas = _amx_formulas(spec)
@@ -499,11 +510,7 @@ def _amx_rows(strip: _Strip, spec: KVCacheSpec, described: Any, blocks: list[int
         return layouts.element_offset(spec.layout, b, hh, t, dim, which, num_kv_heads=h, block_size=bs,
                                       head_size=d, element_size=spec.element_size)
 
-    for b in blocks:
-        if b is None:
-            strip.boxes.append(Box(_LEFT, y, 30, _BOX_H, "…", "gap", "more blocks"))
-            y += _BOX_H + 4
-            continue
+    def amx_groups(b: int) -> list:
         groups = []
         for hh in _pick(h):
             if hh is None:
@@ -527,8 +534,9 @@ def _amx_rows(strip: _Strip, spec: KVCacheSpec, described: Any, blocks: list[int
                               f"V of block {b}, head {hh}, dims {16 * tile}–{16 * tile + 15}: [{bs // 2}][16][2] "
                               f"(token pair, dim, token in pair), elements {first}..{first + 16 * bs - 1}"))
             groups.append((f"head {hh}", items))
-        strip.row(y, f"block {b}", groups)
-        y += row_h
+        return groups
+
+    y = strip.block_rows(y, row_h, blocks, amx_groups)
     # The packing inside a tile: the first 6 and the 33rd..36th elements of each half, in memory order.
     zoom = []
     for which, view, cls, name in (("k", k_view, "k", "K"), ("v", v_view, "v", "V")):
