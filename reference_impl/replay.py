@@ -46,7 +46,7 @@ import torch
 from reference_impl import compiled as _compiled
 from reference_impl import kernel as _kernel
 from reference_impl import layouts as _layouts
-from tracer.records import KVCacheSpec, StepRecord, TraceError, layer_index
+from tracer.records import KVCacheSpec, StepRecord, TraceError, layer_matches, step_in_range
 from tracer.store import REPLAY, Trace, write_side_file
 
 __all__ = [
@@ -606,15 +606,9 @@ def kv_spec(trace: Trace) -> KVCacheSpec:
 
 def _selected(record: StepRecord, steps: tuple[int | None, int | None] | None,
               layers: Iterable[str | int] | None) -> bool:
-    if steps is not None:
-        start, stop = steps
-        if (start is not None and record.step < start) or (stop is not None and record.step >= stop):
-            return False
-    if layers is not None:
-        wanted = set(layers)
-        if record.layer not in wanted and layer_index(record.layer) not in wanted:
-            return False
-    return True
+    if steps is not None and not step_in_range(record.step, steps):
+        return False
+    return layers is None or layer_matches(record.layer, set(layers))
 
 
 def select_records(trace: Trace, *, steps: tuple[int | None, int | None] | None = None,

@@ -39,6 +39,8 @@ from tracer.records import (
     RunInfo,
     StepRecord,
     layer_index,
+    layer_matches,
+    step_in_range,
 )
 from tracer.store import TraceWriter, sha256_text
 
@@ -374,12 +376,8 @@ class Tracer:
     def _kind(self) -> str:
         return self._phase[-1] if self._phase else "request"
 
-    def _in_step_range(self) -> bool:
-        start, stop = self.options.steps
-        return (start is None or self.step >= start) and (stop is None or self.step < stop)
-
     def _wants(self, layer_name: str) -> bool:
-        if self._write_failed or not self._in_step_range():
+        if self._write_failed or not step_in_range(self.step, self.options.steps):
             return False
         sel = self.options.layers
         if sel == "all":
@@ -388,8 +386,7 @@ class Tracer:
             if self._layer_locked is None:
                 return True  # decided in _on_forward
             return layer_name == self._layer_locked
-        idx = layer_index(layer_name)
-        return layer_name in sel or (idx is not None and idx in sel)
+        return layer_matches(layer_name, sel)
 
     def _wants_tensors(self) -> bool:
         if not (self.options.tensors and self._kind() == "request"):
@@ -478,7 +475,7 @@ class Tracer:
 
     def _end_step(self, method: str, kind: str, args: tuple, kwargs: dict) -> None:
         try:
-            if not self._seen_in_step and self._in_step_range():
+            if not self._seen_in_step and step_in_range(self.step, self.options.steps):
                 if method == "execute_model":
                     sched = args[0] if args else kwargs.get("scheduler_output")
                     num = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 #: Version of the on-disk trace format.
@@ -246,6 +247,18 @@ def layer_index(name: str) -> int | None:
         if part == "layers" and parts[i + 1].isdigit():
             return int(parts[i + 1])
     return None
+
+
+def layer_matches(name: str, wanted: Collection[str | int]) -> bool:
+    """``name`` is in ``wanted`` by full name or by its :func:`layer_index`."""
+    index = layer_index(name)
+    return name in wanted or (index is not None and index in wanted)
+
+
+def step_in_range(step: int, steps: tuple[int | None, int | None]) -> bool:
+    """``step`` lies in the half-open ``(start, stop)`` range; None leaves a side open."""
+    start, stop = steps
+    return (start is None or step >= start) and (stop is None or step < stop)
 
 
 def record_from_json(data: dict[str, Any]) -> StepRecord | GapRecord:
