@@ -27,17 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tracer.records import ATTENTION, BLOCK_TABLE, CPU_ATTN, FLASH_ATTN, PAGED_ATTN
+
 #: Match modes an ``Anchor`` can use (see the module docstring).
 MATCH_MODES = ("def", "assign", "call", "expr")
 
-#: The vLLM source files pagedtrace annotates, relative to site-packages.
-FLASH_ATTN = "vllm/v1/attention/backends/flash_attn.py"
-CPU_ATTN = "vllm/v1/attention/backends/cpu_attn.py"
-PAGED_ATTN = "vllm/v1/attention/ops/paged_attn.py"
-ATTENTION = "vllm/model_executor/layers/attention/attention.py"
-BLOCK_TABLE = "vllm/v1/worker/block_table.py"
-
-#: All annotated files, in reading order (the tracer copies these into a trace).
+#: All annotated files (the ones the tracer copies into a trace, ``SOURCE_FILES``), in
+#: reading order.
 ANNOTATED_FILES: tuple[str, ...] = (ATTENTION, FLASH_ATTN, CPU_ATTN, PAGED_ATTN, BLOCK_TABLE)
 
 #: One line per file: what it is and whether vLLM 0.26 runs it.

@@ -36,15 +36,14 @@ STEP_KINDS = ("profile", "warmup", "request")
 LAYOUTS = ("flash_nhd", "flash_hnd", "cpu", "cpu_amx")
 
 
-#: vLLM source files stored in every trace (paths relative to site-packages), so the
-#: annotator and reports work later without vLLM installed.
-SOURCE_FILES = (
-    "vllm/v1/attention/ops/paged_attn.py",
-    "vllm/v1/attention/backends/flash_attn.py",
-    "vllm/v1/attention/backends/cpu_attn.py",
-    "vllm/model_executor/layers/attention/attention.py",
-    "vllm/v1/worker/block_table.py",
-)
+# The vLLM source files pagedtrace reads, relative to site-packages.
+PAGED_ATTN = "vllm/v1/attention/ops/paged_attn.py"
+FLASH_ATTN = "vllm/v1/attention/backends/flash_attn.py"
+CPU_ATTN = "vllm/v1/attention/backends/cpu_attn.py"
+ATTENTION = "vllm/model_executor/layers/attention/attention.py"
+BLOCK_TABLE = "vllm/v1/worker/block_table.py"
+#: Stored in every trace, so that the annotator and reports work later without vLLM.
+SOURCE_FILES = (PAGED_ATTN, FLASH_ATTN, CPU_ATTN, ATTENTION, BLOCK_TABLE)
 
 
 class TraceError(Exception):
