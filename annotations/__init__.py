@@ -1,12 +1,12 @@
 """Annotated vLLM sources: find where traced values belong, and say what they were.
 
-libcst only (plus the standard library and ``tracer.records`` / ``tracer.store``);
+libcst only (plus the standard library and ``tracer.format`` (the bottom layer));
 neither vLLM nor torch is imported, so annotations work from a trace directory alone.
 
 * ``anchors``: the anchor table (file, qualified name, expression, value to show);
 * ``locate``: libcst visitors that find each anchor's line;
 * ``values``: pure functions from a ``StepRecord`` + ``RunInfo`` to value texts;
-* ``annotate``: ``annotate(...) -> AnnotatedSource`` and the tracer's source-copy helpers.
+* ``annotate``: ``annotate(...) -> AnnotatedSource``.
 """
 
 from annotations.anchors import ANCHORS, ANNOTATED_FILES, Anchor, anchors_for, resolve_file
@@ -17,10 +17,7 @@ from annotations.annotate import (
     StepNotFound,
     annotate,
     anchor_values,
-    read_sources,
     select_record,
-    sources_to_store,
-    store_sources,
 )
 from annotations.locate import LocatedSource, Location, locate
 from annotations.values import Value, value_for
@@ -40,10 +37,7 @@ __all__ = [
     "anchors_for",
     "annotate",
     "locate",
-    "read_sources",
     "resolve_file",
     "select_record",
-    "sources_to_store",
-    "store_sources",
     "value_for",
 ]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tracer.records import ATTENTION, BLOCK_TABLE, CPU_ATTN, FLASH_ATTN, PAGED_ATTN
+from tracer.format import ATTENTION, BLOCK_TABLE, CPU_ATTN, FLASH_ATTN, PAGED_ATTN
 
 #: Match modes an ``Anchor`` can use (see the module docstring).
 MATCH_MODES = ("def", "assign", "call", "expr")

@@ -1,8 +1,7 @@
 """Annotated sources: a vLLM file's lines with the traced values beside them.
 
 ``annotate`` is the public entry point; ``anchor_values`` is the per-step part a
-report calls once per step after locating the anchors once. ``store_sources`` and
-``read_sources`` are for the tracer: which files to copy into a trace, and how.
+report calls once per step after locating the anchors once.
 """
 
 from __future__ import annotations
@@ -16,11 +15,10 @@ from typing import TYPE_CHECKING
 from annotations.anchors import ANNOTATED_FILES, CPU_ATTN, FILE_ROLES, FLASH_ATTN, OFF_PATH_FILES, PAGED_ATTN
 from annotations.locate import LocatedSource, locate
 from annotations.values import CPU_LAYOUTS, Value, cpu_region_text, split_kv_cache_summary, value_for
-from tracer.records import RunInfo, StepRecord, TraceError
-from tracer.store import sha256_text
+from tracer.format import RunInfo, StepRecord, TraceError
 
 if TYPE_CHECKING:
-    from tracer.store import Trace, TraceWriter
+    from tracer.format import Trace
 
 
 class StepNotFound(TraceError):
@@ -193,34 +191,3 @@ def annotate(
         file_notes=file_notes(vllm_path, trace.run, located.sha256),
         sha256=located.sha256,
     )
-
-
-def read_sources(site_packages: str | os.PathLike[str]) -> dict[str, str]:
-    """Read the annotated files that exist under ``site_packages`` (the directory holding ``vllm/``).
-
-    The tracer passes ``Path(vllm.__file__).parent.parent``; this function itself
-    never imports vLLM.
-    """
-    root = Path(site_packages)
-    out = {}
-    for rel in ANNOTATED_FILES:
-        file = root / rel
-        if file.is_file():
-            out[rel] = file.read_text(encoding="utf-8")
-    return out
-
-
-def sources_to_store(texts: Mapping[str, str]) -> dict[str, str]:
-    """The part of ``texts`` (vLLM path -> text) a trace should keep: the annotated files only."""
-    return {path: texts[path] for path in ANNOTATED_FILES if path in texts}
-
-
-def store_sources(writer: TraceWriter, texts: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    """Write the annotated files among ``texts`` into the trace; return ``RunInfo.sources`` entries.
-
-    Each entry is ``{vllm_path: {"file": path under the trace, "sha256": hex}}``.
-    """
-    entries = {}
-    for path, text in sources_to_store(texts).items():
-        entries[path] = {"file": writer.add_source(path, text), "sha256": sha256_text(text)}
-    return entries

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from annotations.anchors import Anchor
-from tracer.records import KVCacheSpec, RunInfo, StepRecord
+from tracer.format import KVCacheSpec, RunInfo, StepRecord
 
 #: Value kinds, see the module docstring.
 VALUE_KINDS = ("captured", "computed", "static")
@@ -260,7 +260,7 @@ def _cpu_view(rec, run, spec: KVCacheSpec) -> Value:
     return Value(f"(nb, H, 2*bs, D) {v.describe()}", "computed")
 
 
-#: The CPU backend's two packings (``tracer.records.LAYOUTS``): vec/vec16 ISAs, and AMX tiles.
+#: The CPU backend's two packings (``tracer.format.layouts``): vec/vec16 ISAs, and AMX tiles.
 CPU_LAYOUTS = ("cpu", "cpu_amx")
 
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from annotations import read_sources, store_sources  # noqa: E402
+from tracer.format import read_sources, store_sources  # noqa: E402
 from reports.build import write_report  # noqa: E402
-from tracer.records import FORMAT_VERSION, GapRecord, KVCacheSpec, ModelSummary, RunInfo, StepRecord  # noqa: E402
-from tracer.store import TraceWriter  # noqa: E402
+from tracer.format import FORMAT_VERSION, GapRecord, KVCacheSpec, ModelSummary, RunInfo, StepRecord  # noqa: E402
+from tracer.format import TraceWriter  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8192

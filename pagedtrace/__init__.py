@@ -5,4 +5,6 @@ The command-line front end lives here; the parts live in the top-level packages
 and ``reports``.
 """
 
-__version__ = "0.1.0"
+from tracer.format.version import __version__
+
+__all__ = ["__version__"]

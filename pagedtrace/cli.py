@@ -2,7 +2,7 @@
 
 Each subcommand is a module in ``pagedtrace.commands`` with ``add_parser(subparsers)``
 (which sets ``func``) and ``run(args, console) -> int``. Errors the user can fix
-derive from ``tracer.records.TraceError`` or ``pagedtrace.cli.UsageError`` and are
+derive from ``tracer.format.TraceError`` or ``pagedtrace.cli.UsageError`` and are
 printed as one line, never a traceback.
 """
 
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, console: Console | None = None) -> int:
     """Entry point; returns the process exit code."""
-    from tracer.records import TraceError
+    from tracer.format import TraceError
 
     console = console or Console()
     parser = build_parser()

@@ -1,7 +1,7 @@
 """Torch-only reference for vLLM 0.26's PagedAttention, to replay recorded traces.
 
 Nothing here imports vllm; everything but the pytest plugin imports only torch, the
-standard library and ``tracer.records`` / ``tracer.store`` (to read traces).
+standard library and ``tracer.format`` (the bottom layer) (to read traces).
 
 :mod:`reference_impl.layouts`
     Readers and writers for the KV-cache layouts vLLM allocates (FlashAttention packed

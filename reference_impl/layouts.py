@@ -38,10 +38,26 @@ reports draw.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 
 import torch
+
+from tracer.format.layouts import (
+    FLASH_STRIDE_ORDER,
+    LAYOUT_CPU,
+    LAYOUT_CPU_AMX,
+    LAYOUT_FLASH_HND,
+    LAYOUT_FLASH_NHD,
+    LAYOUT_LEGACY,
+    LAYOUTS,
+    ComponentView,
+    LayoutDescription,
+    StoredTensor,
+    check_amx_shape,
+    describe_layout,
+    element_offset,
+    flash_layout_name,
+    flash_strides,
+)
 
 __all__ = [
     "LAYOUT_FLASH_NHD",
@@ -70,21 +86,6 @@ __all__ = [
     "read_kv",
 ]
 
-LAYOUT_FLASH_NHD = "flash_nhd"
-LAYOUT_FLASH_HND = "flash_hnd"
-LAYOUT_CPU = "cpu"
-LAYOUT_CPU_AMX = "cpu_amx"
-LAYOUT_LEGACY = "legacy"
-#: Every layout name a trace may store, in the order reports list them.
-LAYOUTS = (LAYOUT_FLASH_NHD, LAYOUT_FLASH_HND, LAYOUT_CPU, LAYOUT_CPU_AMX, LAYOUT_LEGACY)
-
-# vLLM's get_kv_cache_stride_order: the permutation from the logical shape
-# (num_blocks, H_kv, block_size, 2*D) to the physical (allocation) order.
-_FLASH_STRIDE_ORDER = {
-    LAYOUT_FLASH_NHD: (0, 2, 1, 3),
-    LAYOUT_FLASH_HND: (0, 1, 2, 3),
-}
-_FLASH_NAMES = {"NHD": LAYOUT_FLASH_NHD, "HND": LAYOUT_FLASH_HND}
 
 
 def _packed(t: torch.Tensor) -> torch.Tensor:
@@ -94,13 +95,6 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     vLLM allocates always has the plain row-major ones.
     """
     return torch.empty(t.shape, dtype=t.dtype).copy_(t)
-
-
-def _flash_layout_name(layout: str) -> str:
-    name = _FLASH_NAMES.get(layout, layout)
-    if name not in _FLASH_STRIDE_ORDER:
-        raise ValueError(f"unknown FlashAttention layout {layout!r}; use 'NHD' or 'HND'")
-    return name
 
 
 def _check_kv_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -125,7 +119,7 @@ def flash_strides(
     those of the tensor vLLM hands the backend: allocated contiguous in the physical order,
     then permuted back to the logical shape.
     """
-    order = _FLASH_STRIDE_ORDER[_flash_layout_name(layout)]
+    order = FLASH_STRIDE_ORDER[flash_layout_name(layout)]
     logical = (num_blocks, num_kv_heads, block_size, 2 * head_size)
     physical = [logical[i] for i in order]
     physical_strides = [0] * 4
@@ -176,7 +170,7 @@ def kv_to_flash(
         the logical shape, as vLLM's ``_reshape_kv_cache_tensors`` does).
     """
     _check_kv_pair(key_cache, value_cache)
-    order = _FLASH_STRIDE_ORDER[_flash_layout_name(layout)]
+    order = FLASH_STRIDE_ORDER[flash_layout_name(layout)]
     # logical: [nb, H, bs, 2D]
     logical_values = torch.cat([key_cache, value_cache], dim=-1).transpose(1, 2)
     physical = _packed(logical_values.permute(*order))
@@ -234,14 +228,6 @@ def kv_to_cpu(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tenso
     return _packed(region.reshape(num_blocks, num_kv_heads, block_size, 2 * head_size))
 
 
-def _check_amx_shape(block_size: int, head_size: int) -> None:
-    if block_size % 16 or head_size % 16:
-        raise ValueError(
-            f"the AMX layout tiles by 16: block_size {block_size} and head_size {head_size} "
-            "must be multiples of 16"
-        )
-
-
 def cpu_amx_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Read the ``CPU_ATTN`` backend's AMX-packed cache into the canonical K and V caches.
 
@@ -258,7 +244,7 @@ def cpu_amx_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor,
             f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}"
         )
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-    _check_amx_shape(block_size, head_size)
+    check_amx_shape(block_size, head_size)
     nb, nh, bs, d = num_blocks, num_kv_heads, block_size, head_size
     region = kv_cache.reshape(nb, nh, 2 * bs * d)
     # K: (block, head, token tile, dim pair, token in tile, dim in pair)
@@ -283,7 +269,7 @@ def kv_to_cpu_amx(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.T
     """
     _check_kv_pair(key_cache, value_cache)
     nb, bs, nh, d = key_cache.shape
-    _check_amx_shape(bs, d)
+    check_amx_shape(bs, d)
     key = key_cache.reshape(nb, bs // 16, 16, nh, d // 2, 2).permute(0, 3, 1, 4, 2, 5)
     value = value_cache.reshape(nb, bs // 2, 2, nh, d // 16, 16).permute(0, 3, 4, 1, 5, 2)
     region = torch.cat([key.reshape(nb, nh, -1), value.reshape(nb, nh, -1)], dim=-1)
@@ -381,222 +367,6 @@ def _split_legacy_stacked(
     key_legacy = kv_cache[0].reshape(num_blocks, num_kv_heads, head_size // x, -1, x)
     value_legacy = kv_cache[1].reshape(num_blocks, num_kv_heads, head_size, -1)
     return key_legacy, value_legacy
-
-
-# --------------------------------------------------------------------------- description
-
-
-@dataclasses.dataclass(frozen=True)
-class ComponentView:
-    """Where K (or V) of one layout lives, as a strided view of a stored tensor's memory.
-
-    ``offset(idx) = storage_offset + sum(i * s for i, s in zip(idx, strides))`` in elements
-    of the stored tensor, with ``idx`` named by ``dims``.
-    """
-
-    component: str  #: "k" or "v"
-    tensor: str  #: name of the stored tensor it lives in: "kv_cache", "key_cache", "value_cache"
-    dims: tuple[str, ...]  #: index names, e.g. ("block", "head", "dim", "token")
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  #: elements
-    storage_offset: int  #: elements
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredTensor:
-    """One tensor a backend allocates for a layer's cache."""
-
-    name: str  #: "kv_cache", "key_cache" or "value_cache"
-    logical_shape: tuple[int, ...]  #: shape as the backend indexes it
-    strides: tuple[int, ...]  #: elements, of that logical shape
-    numel: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LayoutDescription:
-    """What a report needs to draw one layout: tensors, strides and memory order."""
-
-    layout: str  #: one of LAYOUTS
-    num_blocks: int
-    num_kv_heads: int
-    block_size: int  #: tokens per block
-    head_size: int  #: D
-    element_size: int  #: bytes per element
-    memory_order: str  #: outermost to innermost, e.g. "(blocks, tokens, heads, K|V)"
-    tensors: tuple[StoredTensor, ...]
-    k_view: ComponentView
-    v_view: ComponentView
-
-    @property
-    def bytes_per_block(self) -> int:
-        """K and V bytes of one physical block over all kv heads."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.element_size
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of all stored tensors together."""
-        return sum(t.numel for t in self.tensors) * self.element_size
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
-def describe_layout(
-    layout: str,
-    num_blocks: int,
-    num_kv_heads: int,
-    block_size: int,
-    head_size: int,
-    element_size: int = 2,
-) -> LayoutDescription:
-    """Describe ``layout`` for ``(num_blocks, H_kv, block_size, D)`` and an element size.
-
-    ``element_size`` (bytes) matters only for ``legacy``, where it sets
-    ``x = 16 // element_size``.
-    """
-    nb, nh, bs, d = num_blocks, num_kv_heads, block_size, head_size
-    if layout in _FLASH_STRIDE_ORDER:
-        shape = (nb, nh, bs, 2 * d)
-        strides = flash_strides(nb, nh, bs, d, layout)
-        tensors = (StoredTensor("kv_cache", shape, strides, nb * nh * bs * 2 * d),)
-        dims = ("block", "head", "token", "dim")
-        view_strides = strides
-        k_view = ComponentView("k", "kv_cache", dims, (nb, nh, bs, d), view_strides, 0)
-        v_view = ComponentView("v", "kv_cache", dims, (nb, nh, bs, d), view_strides, d)
-        memory_order = (
-            "(blocks, tokens, heads, K|V)"
-            if layout == LAYOUT_FLASH_NHD
-            else "(blocks, heads, tokens, K|V)"
-        )
-    elif layout == LAYOUT_CPU:
-        shape = (nb, nh, bs, 2 * d)
-        tensors = (StoredTensor("kv_cache", shape, _contiguous_strides(shape), nb * nh * bs * 2 * d),)
-        region = 2 * bs * d
-        k_view = ComponentView(
-            "k", "kv_cache", ("block", "head", "dim", "token"), (nb, nh, d, bs),
-            (nh * region, region, bs, 1), 0,
-        )
-        v_view = ComponentView(
-            "v", "kv_cache", ("block", "head", "token", "dim"), (nb, nh, bs, d),
-            (nh * region, region, d, 1), bs * d,
-        )
-        memory_order = "(blocks, heads, [K^T (dim, tokens) | V (tokens, dim)])"
-    elif layout == LAYOUT_CPU_AMX:
-        _check_amx_shape(bs, d)
-        shape = (nb, nh, bs, 2 * d)
-        tensors = (StoredTensor("kv_cache", shape, _contiguous_strides(shape), nb * nh * bs * 2 * d),)
-        region = 2 * bs * d
-        k_view = ComponentView(
-            "k", "kv_cache",
-            ("block", "head", "token // 16", "dim // 2", "token % 16", "dim % 2"),
-            (nb, nh, bs // 16, d // 2, 16, 2),
-            (nh * region, region, 16 * d, 32, 2, 1), 0,
-        )
-        v_view = ComponentView(
-            "v", "kv_cache",
-            ("block", "head", "dim // 16", "token // 2", "dim % 16", "token % 2"),
-            (nb, nh, d // 16, bs // 2, 16, 2),
-            (nh * region, region, 16 * bs, 32, 2, 1), bs * d,
-        )
-        memory_order = (
-            "(blocks, heads, [K (tokens/16, dim/2, 16 tokens, 2 dims) | "
-            "V (dim/16, tokens/2, 16 dims, 2 tokens)])"
-        )
-    elif layout == LAYOUT_LEGACY:
-        x = 16 // element_size
-        if d % x:
-            raise ValueError(f"head_size {d} is not a multiple of x={x}")
-        key_shape = (nb, nh, d // x, bs, x)
-        value_shape = (nb, nh, d, bs)
-        key_strides = _contiguous_strides(key_shape)
-        value_strides = _contiguous_strides(value_shape)
-        tensors = (
-            StoredTensor("key_cache", key_shape, key_strides, nb * nh * d * bs),
-            StoredTensor("value_cache", value_shape, value_strides, nb * nh * d * bs),
-        )
-        k_view = ComponentView(
-            "k", "key_cache", ("block", "head", "dim // x", "token", "dim % x"),
-            key_shape, key_strides, 0,
-        )
-        v_view = ComponentView(
-            "v", "value_cache", ("block", "head", "dim", "token"), value_shape, value_strides, 0
-        )
-        memory_order = (
-            f"key: (blocks, heads, dim/{x}, tokens, {x}); value: (blocks, heads, dim, tokens)"
-        )
-    else:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-    return LayoutDescription(
-        layout=layout,
-        num_blocks=nb,
-        num_kv_heads=nh,
-        block_size=bs,
-        head_size=d,
-        element_size=element_size,
-        memory_order=memory_order,
-        tensors=tensors,
-        k_view=k_view,
-        v_view=v_view,
-    )
-
-
-def element_offset(
-    layout: str,
-    block: int,
-    head: int,
-    token: int,
-    dim: int,
-    which: str = "k",
-    *,
-    num_kv_heads: int,
-    block_size: int,
-    head_size: int,
-    element_size: int = 2,
-) -> int:
-    """Flat element offset of ``K[block, token, head, dim]`` (or V) in ``layout``'s memory.
-
-    The offset counts elements from the start of the stored tensor named by
-    ``describe_layout(...).k_view.tensor`` (``kv_cache`` for flash and cpu; ``key_cache``
-    or ``value_cache`` for legacy). Multiply by ``element_size`` for bytes.
-    """
-    if which not in ("k", "v"):
-        raise ValueError(f"which must be 'k' or 'v', got {which!r}")
-    # num_blocks does not enter any offset, so describe a single block's worth.
-    desc = describe_layout(layout, block + 1, num_kv_heads, block_size, head_size, element_size)
-    view = desc.k_view if which == "k" else desc.v_view
-    x = 16 // element_size
-    named = {
-        "block": block,
-        "head": head,
-        "token": token,
-        "dim": dim,
-        "dim // x": dim // x,
-        "dim % x": dim % x,
-        "token // 16": token // 16,
-        "token % 16": token % 16,
-        "dim // 2": dim // 2,
-        "dim % 2": dim % 2,
-        "dim // 16": dim // 16,
-        "dim % 16": dim % 16,
-        "token // 2": token // 2,
-        "token % 2": token % 2,
-    }
-    if not (0 <= token < block_size and 0 <= dim < head_size and 0 <= head < num_kv_heads):
-        raise IndexError(
-            f"token {token}, dim {dim}, head {head} outside block_size {block_size}, "
-            f"head_size {head_size}, num_kv_heads {num_kv_heads}"
-        )
-    index = [named[name] for name in view.dims]
-    for i, size in zip(index, view.shape):
-        if not 0 <= i < size:
-            raise IndexError(f"index {dict(zip(view.dims, index))} outside {view.shape}")
-    return view.storage_offset + sum(i * s for i, s in zip(index, view.strides))
 
 
 # --------------------------------------------------------------------------- fp8 + dispatch

@@ -46,8 +46,8 @@ import pytest
 
 from reference_impl import replay as _replay
 from reference_impl import testing as _testing
-from tracer.records import StepRecord, TraceError
-from tracer.store import Trace
+from tracer.format import StepRecord, TraceError
+from tracer.format import Trace
 
 
 @dataclass

@@ -30,7 +30,7 @@ not record the ISA, so :func:`resolve_layout` tells the two apart by where the r
 ``key``/``value`` rows occur in the captured blocks, and the report says which packing
 it read.
 
-Imports torch, :mod:`reference_impl` and ``tracer.records`` / ``tracer.store`` only.
+Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) only.
 """
 
 from __future__ import annotations
@@ -46,8 +46,22 @@ import torch
 from reference_impl import compiled as _compiled
 from reference_impl import kernel as _kernel
 from reference_impl import layouts as _layouts
-from tracer.records import KVCacheSpec, StepRecord, TraceError, layer_matches, step_in_range
-from tracer.store import REPLAY, Trace, write_side_file
+from tracer.format import (
+    REPLAY,
+    HeadResult,
+    KVCacheSpec,
+    LegacyCheck,
+    ReplayReport,
+    StepRecord,
+    StepResult,
+    Tolerance,
+    Trace,
+    TraceError,
+    WriteCheck,
+    layer_matches,
+    step_in_range,
+    write_side_file,
+)
 
 __all__ = [
     "KERNELS",
@@ -94,127 +108,8 @@ TOL_EPS = 1e-5
 #: Precision of the reference the output is judged against.
 REFERENCE_DTYPE = torch.float64
 
-
-# --------------------------------------------------------------------------- results
-
-
-def _finite(x: float) -> float | None:
-    """JSON has no NaN/Infinity: non-finite errors are written as null."""
-    return x if math.isfinite(x) else None
-
-
-@dataclass(frozen=True)
-class HeadResult:
-    """Attention error of one query head in one (step, layer)."""
-
-    head: int  #: 0-based query head
-    ok: bool  #: ``max_abs <= tol`` of its step
-    max_abs: float  #: max |vLLM - reference| over this head's tokens and dims
-    max_rel: float  #: ``max_abs`` over max |reference| of this head
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict (non-finite errors as null)."""
-        return {"head": self.head, "ok": self.ok, "max_abs": _finite(self.max_abs),
-                "max_rel": _finite(self.max_rel)}
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Attention replay of one (step, layer): vLLM's ``output`` against the reference."""
-
-    step: int  #: 0-based forward-pass index, as ``StepRecord.step``
-    layer: str
-    kind: str  #: ``StepRecord.kind``
-    num_tokens: int  #: query tokens compared (``num_actual_tokens``)
-    num_reqs: int
-    ok: bool
-    max_abs: float  #: max |vLLM output - fp64 reference|
-    max_rel: float  #: ``max_abs`` over max |reference|
-    tol: float  #: allowed ``max_abs``: ``TOL_K * baseline_max_abs + TOL_EPS``
-    baseline_max_abs: float  #: max |reference in the activation dtype - fp64 reference|
-    heads: tuple[HeadResult, ...]
-    note: str = ""  #: why it failed beyond the numbers (e.g. a block the table names was not captured)
-
-    def to_json(self) -> dict[str, Any]:
-        """One entry of ``replay.json``'s ``steps``."""
-        return {
-            "step": self.step, "layer": self.layer, "kind": self.kind, "ok": self.ok,
-            "max_abs": _finite(self.max_abs), "max_rel": _finite(self.max_rel),
-            "tol": _finite(self.tol), "baseline_max_abs": _finite(self.baseline_max_abs),
-            "num_tokens": self.num_tokens, "num_reqs": self.num_reqs,
-            "heads": [h.to_json() for h in self.heads], "note": self.note,
-        }
-
-
-@dataclass(frozen=True)
-class WriteCheck:
-    """Write path of one (step, layer): do the captured blocks hold the new K/V bits?"""
-
-    step: int
-    layer: str
-    ok: bool
-    tokens: int  #: slots written (``slot_mapping`` entries other than -1)
-    mismatches: int  #: of those, tokens whose K or V bits differ (or whose block was not captured)
-    first_mismatch: int | None = None  #: 0-based token index of the first mismatch
-
-    def to_json(self) -> dict[str, Any]:
-        """One entry of ``replay.json``'s ``write_path``."""
-        return {"step": self.step, "layer": self.layer, "ok": self.ok, "tokens": self.tokens,
-                "mismatches": self.mismatches, "first_mismatch": self.first_mismatch}
-
-
-@dataclass(frozen=True)
-class LegacyCheck:
-    """The legacy ``[nb, H_kv, D/x, bs, x]`` round trip of one (step, layer)."""
-
-    step: int
-    layer: str
-    ok: bool  #: attention through the legacy layout is bitwise the direct result
-    max_abs: float  #: max |legacy-path reference - direct reference| (0 when ok)
-    x: int  #: elements per 16-byte vector, ``16 // element_size``
-
-    def to_json(self) -> dict[str, Any]:
-        """One entry of ``replay.json``'s ``legacy``."""
-        return {"step": self.step, "layer": self.layer, "ok": self.ok,
-                "max_abs": _finite(self.max_abs), "x": self.x}
-
-
-@dataclass(frozen=True)
-class ReplayReport:
-    """Everything ``replay_trace`` found; ``ok`` only if every check passed."""
-
-    kernel: str  #: one of ``KERNELS``
-    layout: str  #: the layout the blocks were read in (``cpu_amx`` when found behind ``cpu``)
-    recorded_layout: str  #: ``KVCacheSpec.layout`` as the manifest has it
-    steps: tuple[StepResult, ...]
-    write_path: tuple[WriteCheck, ...]
-    legacy: tuple[LegacyCheck, ...]
-    skipped: tuple[str, ...] = ()  #: selected records that could not be replayed, and why
-    seconds: float = 0.0  #: wall time of the replay
-
-    @property
-    def ok(self) -> bool:
-        """True when at least one step was replayed and nothing mismatched."""
-        return bool(self.steps) and all(
-            r.ok for group in (self.steps, self.write_path, self.legacy) for r in group
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``replay.json`` object the HTML report reads."""
-        return {
-            "ok": self.ok,
-            "kernel": self.kernel,
-            "layout": self.layout,
-            "recorded_layout": self.recorded_layout,
-            "tolerance": {"k": TOL_K, "eps": TOL_EPS,
-                          "reference_dtype": str(REFERENCE_DTYPE).removeprefix("torch.")},
-            "seconds": round(self.seconds, 3),
-            "steps": [r.to_json() for r in self.steps],
-            "write_path": [r.to_json() for r in self.write_path],
-            "legacy": [r.to_json() for r in self.legacy],
-            # A count, not a list: readers treat top-level lists as check sections.
-            "skipped": len(self.skipped),
-        }
+#: The bar, as ``replay.json`` records it.
+TOLERANCE = Tolerance(k=TOL_K, eps=TOL_EPS, reference_dtype=str(REFERENCE_DTYPE).removeprefix("torch."))
 
 
 # --------------------------------------------------------------------------- layouts
@@ -690,7 +585,7 @@ def replay_trace(
             progress(done, len(with_tensors), result)
     return ReplayReport(
         kernel=kernel, layout=read_layout, recorded_layout=spec.layout, steps=tuple(results),
-        write_path=tuple(writes), legacy=tuple(legacies), skipped=skipped,
+        tolerance=TOLERANCE, write_path=tuple(writes), legacy=tuple(legacies), skipped=skipped,
         seconds=time.perf_counter() - started,
     )
 

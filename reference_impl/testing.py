@@ -62,7 +62,7 @@ activation dtype, plus ``TOL_EPS``. The tolerance never depends on vLLM's output
 wrong vLLM step cannot widen it; the distance from vLLM's captured output is reported
 alongside.
 
-Imports torch, :mod:`reference_impl` and ``tracer.records`` / ``tracer.store`` only.
+Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) only.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ import torch
 
 from reference_impl import kernel as _kernel
 from reference_impl import replay as _replay
-from tracer.records import StepRecord, TraceError, layer_index
-from tracer.store import Trace
+from tracer.format import CaseResult, StepRecord, TraceError, layer_index
+from tracer.format import Trace
 
 __all__ = [
     "KernelCase",
@@ -313,92 +313,6 @@ def kernel_kwargs(fn: Callable[..., Any], case: KernelCase) -> dict[str, Any]:
             raise TypeError(f"{kernel_name(fn)} takes no {name!r} argument, but {case.id} needs "
                             f"{name}={value!r}")
     return out
-
-
-@dataclass(frozen=True)
-class CaseResult:
-    """How one kernel did on one case. ``str(result)`` / :meth:`message` explain it."""
-
-    id: str  #: the case's id
-    kernel: str  #: ``module:qualname``
-    step: int
-    layer: str
-    kind: str
-    num_reqs: int
-    num_tokens: int  #: rows compared
-    ok: bool
-    max_abs: float  #: max |out - fp64 reference| (inf when nothing comparable came back)
-    max_rel: float  #: ``max_abs`` over max |reference|
-    tol: float  #: allowed ``max_abs``: ``tol_k * baseline_max_abs + tol_eps``
-    baseline_max_abs: float  #: max |reference in the activation dtype - fp64 reference|
-    vllm_max_abs: float  #: max |out - vLLM's captured output|
-    vllm_ref_max_abs: float  #: max |vLLM's output - fp64 reference|, for scale
-    heads: tuple[float, ...] = ()  #: per query head: max |out - reference|
-    worst: tuple[int, int, int, int] | None = None  #: ``(token, head, dim, request)`` of the largest error, 0-based
-    nonfinite: int = 0  #: NaN / inf values among the compared outputs
-    tol_k: float = TOL_K
-    tol_eps: float = TOL_EPS
-    note: str = ""  #: why it failed beyond the numbers (shape, an exception), or the case's own note
-
-    @property
-    def bad_heads(self) -> tuple[int, ...]:
-        """Query heads whose max error exceeds the tolerance (NaN counts as bad)."""
-        return tuple(h for h, err in enumerate(self.heads) if not err <= self.tol)
-
-    @property
-    def worst_head(self) -> int | None:
-        """The query head with the largest error (None when nothing was compared)."""
-        return None if self.worst is None else self.worst[1]
-
-    def message(self) -> str:
-        """A readable verdict: where, how far, what the tolerance was."""
-        verdict = "matches" if self.ok else "does NOT match"
-        lines = [f"{self.kernel} {verdict} vLLM on {self.id} "
-                 f"(step {self.step}, layer {self.layer}, {self.kind}, {self.num_reqs} request(s), "
-                 f"{self.num_tokens} query token(s))"]
-        if math.isfinite(self.max_abs) or self.heads:
-            cmp = "<=" if self.max_abs <= self.tol else ">"
-            lines.append(f"  max abs error {_num(self.max_abs)} {cmp} tolerance {_num(self.tol)} "
-                         f"(= {_num(self.tol_k)} x {_num(self.baseline_max_abs)}, the naive low-precision "
-                         f"error, + {_num(self.tol_eps)}); max rel {_num(self.max_rel)}")
-        if self.nonfinite:
-            lines.append(f"  {self.nonfinite} NaN/inf value(s) in the output")
-        if self.worst is not None and self.heads:
-            token, head, dim, request = self.worst
-            bad = self.bad_heads
-            lines.append(f"  worst: head {head} (max abs {_num(self.heads[head])}), token {token} "
-                         f"(request {request}), dim {dim}; {len(bad)}/{len(self.heads)} head(s) outside "
-                         "tolerance" + (f": {_head_list(bad)}" if bad else ""))
-            lines.append(f"  vs vLLM's captured output: max abs {_num(self.vllm_max_abs)} "
-                         f"(vLLM itself is {_num(self.vllm_ref_max_abs)} from the fp64 reference)")
-        if self.note:
-            lines.append(f"  note: {self.note}")
-        return "\n".join(lines)
-
-    __str__ = message
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict (non-finite errors as null)."""
-        f = _replay._finite
-        return {
-            "id": self.id, "kernel": self.kernel, "step": self.step, "layer": self.layer, "kind": self.kind,
-            "ok": self.ok, "num_reqs": self.num_reqs, "num_tokens": self.num_tokens,
-            "max_abs": f(self.max_abs), "max_rel": f(self.max_rel), "tol": f(self.tol),
-            "baseline_max_abs": f(self.baseline_max_abs), "vllm_max_abs": f(self.vllm_max_abs),
-            "vllm_ref_max_abs": f(self.vllm_ref_max_abs), "heads": [f(h) for h in self.heads],
-            "bad_heads": list(self.bad_heads),
-            "worst": None if self.worst is None else dict(zip(("token", "head", "dim", "request"), self.worst)),
-            "nonfinite": self.nonfinite, "note": self.note,
-        }
-
-
-def _num(x: float) -> str:
-    return f"{x:.3g}" if math.isfinite(x) else str(x)
-
-
-def _head_list(heads: tuple[int, ...], limit: int = 8) -> str:
-    shown = ", ".join(map(str, heads[:limit]))
-    return shown + (f" ... (+{len(heads) - limit})" if len(heads) > limit else "")
 
 
 def _failed(case: KernelCase, name: str, note: str) -> CaseResult:

@@ -1,6 +1,6 @@
 """Static HTML reports of a trace: view models, then templates.
 
-jinja2 only (plus ``annotations`` and ``tracer.records`` / ``tracer.store``);
+jinja2 only (plus ``annotations`` and ``tracer.format`` (the bottom layer));
 a report builds from a trace directory alone.
 
 * ``viewmodel``: pure functions from a ``Trace`` to page dataclasses;

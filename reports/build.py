@@ -23,7 +23,7 @@ from pathlib import Path
 import jinja2
 
 from reports.viewmodel import INDEX_PAGE, MAX_REQUEST_PAGES, TOUR_PAGE, Site, build_site, load_reference_source
-from tracer.store import Trace
+from tracer.format import Trace
 
 #: Files copied verbatim from ``reports/templates`` into every report.
 ASSETS = ("style.css", "report.js")
@@ -95,7 +95,7 @@ def write_report(
 
     The trace is opened tolerantly (``strict=False``): a truncated last line is
     listed on the index page instead of failing the build. A directory that is
-    not a trace raises ``tracer.records.TraceError``.
+    not a trace raises ``tracer.format.TraceError``.
     """
     trace = Trace.open(trace_dir, strict=False)
     site = build_site(trace, reference=load_reference_source(), max_step_pages=max_step_pages)

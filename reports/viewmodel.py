@@ -24,8 +24,8 @@ from annotations.anchors import ANNOTATED_FILES
 from annotations.annotate import file_notes, file_role, on_path
 from annotations.locate import LocatedSource, locate
 from annotations.values import fmt_list, value_for
-from tracer.records import KVCacheSpec, RunInfo, StepRecord, TraceError
-from tracer.store import REPLAY, Trace
+from tracer.format import KVCacheSpec, RunInfo, StepRecord, TraceError
+from tracer.format import REPLAY, Trace
 
 #: Step pages are written for the first this-many request steps (``build_report``'s
 #: ``max_step_pages`` overrides it) ...

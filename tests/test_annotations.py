@@ -19,16 +19,13 @@ from annotations import (
     annotate,
     anchors_for,
     locate,
-    read_sources,
     resolve_file,
-    sources_to_store,
-    store_sources,
 )
 from annotations.anchors import BLOCK_TABLE, CPU_ATTN, FLASH_ATTN, MATCH_MODES, PAGED_ATTN, Anchor
 from annotations.locate import keep_definitions, normalize_code
 from annotations.annotate import file_role
 from annotations.values import COMPUTED_PREFIX, VALUE_FUNCTIONS, TensorView, ViewError, split_kv_cache_summary, value_for
-from tracer.records import (
+from tracer.format import (
     FORMAT_VERSION,
     SOURCE_FILES,
     GapRecord,
@@ -37,7 +34,7 @@ from tracer.records import (
     RunInfo,
     StepRecord,
 )
-from tracer.store import Trace, TraceWriter, sha256_text
+from tracer.format import Trace, TraceWriter, read_sources, sha256_text, store_sources
 
 LAYER = "model.layers.0.self_attn.attn"
 
@@ -433,7 +430,6 @@ def test_annotate_unknown_steps_and_layers(small_trace):
 
 def test_store_sources_keeps_only_annotated_files(tmp_path):
     texts = {PAGED_ATTN: "a = 1\n", "vllm/other.py": "b = 2\n"}
-    assert sources_to_store(texts) == {PAGED_ATTN: "a = 1\n"}
     with TraceWriter(tmp_path) as writer:
         entries = store_sources(writer, texts)
     assert entries == {PAGED_ATTN: {"file": f"sources/{PAGED_ATTN}", "sha256": sha256_text("a = 1\n")}}

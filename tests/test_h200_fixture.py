@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from reference_impl.replay import replay_trace
-from tracer.store import Trace
+from tracer.format import Trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

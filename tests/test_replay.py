@@ -20,8 +20,8 @@ from rich.console import Console
 from pagedtrace.cli import main
 from reference_impl.layouts import cpu_layout_for
 from reference_impl.replay import LAYOUT_CPU_AMX, TOL_EPS, TOL_K, ReplayReport, replay_trace
-from tracer.records import StepRecord
-from tracer.store import Trace
+from tracer.format import StepRecord
+from tracer.format import Trace
 
 pytestmark = pytest.mark.engine
 

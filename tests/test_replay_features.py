@@ -16,8 +16,8 @@ import torch
 from reference_impl.kernel import paged_attention_fast
 from reference_impl.layouts import kv_to_flash
 from reference_impl.replay import replay_trace
-from tracer.records import FORMAT_VERSION, KVCacheSpec, RunInfo, StepRecord
-from tracer.store import STEPS, Trace, TraceWriter
+from tracer.format import FORMAT_VERSION, KVCacheSpec, RunInfo, StepRecord
+from tracer.format import MANIFEST, STEPS, Trace, TraceError, TraceWriter
 
 NB, BS, H, HKV, D = 6, 16, 4, 2, 32
 TABLE = (3, 1, 5)  # logical block j of the one request lives in physical block TABLE[j]
@@ -95,6 +95,10 @@ def test_records_without_the_fields_still_load(tmp_path):
     for line in lines:
         del line["sinks"], line["alibi_slopes"]
     (path / STEPS).write_text("".join(json.dumps(l) + "\n" for l in lines))
+    with pytest.raises(TraceError, match="missing fields .'alibi_slopes', 'sinks'."):
+        Trace.open(path)  # format 2 writes every field: a missing one is an error
+    manifest = json.loads((path / MANIFEST).read_text())
+    (path / MANIFEST).write_text(json.dumps({**manifest, "format_version": 1}))
     rec = Trace.open(path).records[0]
     assert rec.sinks is None and rec.alibi_slopes is None
     assert dataclasses.replace(rec, sinks=(1.0,)).sinks == (1.0,)

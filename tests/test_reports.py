@@ -22,7 +22,8 @@ from tests.conftest import SITE, needs_vllm_sources
 from rich.console import Console
 
 import pagedtrace.cli as cli
-from annotations import locate, read_sources, store_sources
+from annotations import locate
+from tracer.format import read_sources, store_sources
 from annotations.anchors import FLASH_ATTN, PAGED_ATTN
 from reports.build import render_site, write_report
 from reports.viewmodel import (
@@ -34,8 +35,8 @@ from reports.viewmodel import (
     slot_runs,
     step_view,
 )
-from tracer.records import FORMAT_VERSION, GapRecord, KVCacheSpec, ModelSummary, RunInfo, StepRecord
-from tracer.store import Trace, TraceWriter
+from tracer.format import FORMAT_VERSION, GapRecord, KVCacheSpec, ModelSummary, RunInfo, StepRecord
+from tracer.format import Trace, TraceWriter
 
 GOLD = Path(__file__).parent / "gold" / "report"
 UPDATE_GOLD = os.environ.get("PAGEDTRACE_UPDATE_GOLD") == "1"

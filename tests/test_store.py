@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from tracer.records import FORMAT_VERSION, GapRecord, RunInfo, StepRecord, TraceError
-from tracer.store import MANIFEST, STEPS, Trace, TraceWriter
+from tracer.format import FORMAT_VERSION, GapRecord, RunInfo, StepRecord, TraceError
+from tracer.format import MANIFEST, STEPS, Trace, TraceWriter
 
 
 def _run() -> RunInfo:
@@ -54,7 +54,7 @@ def test_unknown_version_is_a_clear_error(trace_dir):
     data = json.loads((trace_dir / MANIFEST).read_text())
     data["format_version"] = 99
     (trace_dir / MANIFEST).write_text(json.dumps(data))
-    with pytest.raises(TraceError, match="version 99; this pagedtrace reads version 1"):
+    with pytest.raises(TraceError, match="version 99; this pagedtrace reads versions 1, 2"):
         Trace.open(trace_dir)
 
 

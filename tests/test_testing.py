@@ -35,7 +35,7 @@ from reference_impl.testing import (
     load_cases,
     load_kernel,
 )
-from tracer.records import TraceError
+from tracer.format import TraceError
 
 pytest_plugins = ["pytester"]
 

@@ -11,7 +11,7 @@ import torch
 from reference_impl.layouts import cpu_layout_for
 
 from tests.conftest import UNTRACED_SNIPPET, engine_env, run_engine
-from tracer.store import Trace
+from tracer.format import Trace
 
 pytestmark = pytest.mark.engine
 

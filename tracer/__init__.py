@@ -12,8 +12,7 @@ workers) trace the same way through the ``vllm.general_plugins`` entry point.
 
 from __future__ import annotations
 
-from tracer.records import FORMAT_VERSION, GapRecord, KVCacheSpec, RunInfo, StepRecord, TraceError
-from tracer.store import Trace, TraceWriter
+from tracer.format import FORMAT_VERSION, GapRecord, KVCacheSpec, RunInfo, StepRecord, Trace, TraceError, TraceWriter
 
 __all__ = [
     "FORMAT_VERSION",

@@ -30,19 +30,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tracer.records import (
+from tracer.format import (
     FORMAT_VERSION,
-    SOURCE_FILES,
+    REGISTRY,
     GapRecord,
     KVCacheSpec,
     ModelSummary,
     RunInfo,
     StepRecord,
+    TraceWriter,
+    __version__,
     layer_index,
     layer_matches,
+    parse_layers,
+    parse_steps,
+    read_sources,
     step_in_range,
+    store_sources,
 )
-from tracer.store import TraceWriter, sha256_text
 
 logger = logging.getLogger("pagedtrace")
 
@@ -116,31 +121,6 @@ class TracerOptions:
         d["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
         d["steps"] = list(self.steps)
         return d
-
-
-def parse_layers(text: str) -> str | tuple[str | int, ...]:
-    """``first`` / ``all`` / ``0,3,model.layers.5.self_attn.attn`` -> options value."""
-    text = text.strip()
-    if text in ("first", "all"):
-        return text
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"bad layer selection {text!r}: use 'first', 'all' or indices/names")
-    return tuple(int(t) if t.isdigit() else t for t in items)
-
-
-def parse_steps(text: str) -> tuple[int | None, int | None]:
-    """``'3:10'`` -> (3, 10); ``''`` or ``':'`` -> unbounded; ``'5'`` -> (5, 6)."""
-    text = text.strip()
-    if not text or text == ":":
-        return (None, None)
-    try:
-        if ":" not in text:
-            return (int(text), int(text) + 1)
-        a, b = text.split(":", 1)
-        return (int(a) if a else None, int(b) if b else None)
-    except ValueError:
-        raise ValueError(f"bad step range {text!r}: use START:STOP (e.g. 0:100)") from None
 
 
 @dataclass
@@ -581,11 +561,7 @@ class Tracer:
             return
         try:
             writer = self._writer_or_new()
-            sources = {}
-            for rel in SOURCE_FILES:
-                text = _vllm_source(rel)
-                if text is not None:
-                    sources[rel] = {"file": writer.add_source(rel, text), "sha256": sha256_text(text)}
+            sources = store_sources(writer, _vllm_sources())
             writer.write_manifest(build_run_info(self, p, sources))
             self._manifest_written = True
         except OSError as exc:
@@ -650,26 +626,18 @@ def _import_attr(module_name: str, attr: str) -> Any:
     return getattr(module, attr, None)
 
 
-def _vllm_source(rel: str) -> str | None:
+def _vllm_sources() -> dict[str, str]:
+    """The engine's own copies of ``SOURCE_FILES`` (those it has)."""
     try:
         import vllm
 
-        path = Path(vllm.__file__).parent.parent / rel
-        return path.read_text(encoding="utf-8")
+        return read_sources(Path(vllm.__file__).parent.parent)
     except (ImportError, OSError):
-        return None
+        return {}
 
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _physical_order(kv_cache: Any, layout: str) -> str:
-    if layout == "cpu":
-        return "(blocks, heads, [K^T (D, tokens) | V (tokens, D)])"
-    if layout == "cpu_amx":
-        return "(blocks, heads, [K | V] packed in AMX tiles)"
-    return "(blocks, tokens, heads, K|V)" if layout == "flash_nhd" else "(blocks, heads, tokens, K|V)"
 
 
 def kv_layout_of(impl: Any, kv_cache: Any) -> str:
@@ -687,7 +655,6 @@ def build_run_info(tracer: Tracer, p: _Pending | None, sources: dict[str, dict[s
     import torch
     import vllm
 
-    import pagedtrace
 
     cfg = tracer._vllm_config
     if cfg is None:
@@ -758,7 +725,7 @@ def build_run_info(tracer: Tracer, p: _Pending | None, sources: dict[str, dict[s
             shape=(nb, h, bs, d2),
             stride=tuple(int(s) for s in kv_cache.stride()),
             layout=layout,
-            physical_order=_physical_order(kv_cache, layout),
+            physical_order=REGISTRY[layout].memory_order,
             k_scale=float(getattr(layer_obj, "_k_scale_float", 1.0)),
             v_scale=float(getattr(layer_obj, "_v_scale_float", 1.0)),
             backend_kv_cache_shape=backend_shape,
@@ -767,7 +734,7 @@ def build_run_info(tracer: Tracer, p: _Pending | None, sources: dict[str, dict[s
     cc = getattr(cfg, "compilation_config", None)
     return RunInfo(
         format_version=FORMAT_VERSION,
-        pagedtrace_version=pagedtrace.__version__,
+        pagedtrace_version=__version__,
         vllm_version=str(vllm.__version__),
         torch_version=str(torch.__version__),
         platform=platform_name,

@@ -252,7 +252,7 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
             result.stats = dict(t.stats)
             t.stop()
             t = None
-            from tracer.store import SESSION, write_side_file
+            from tracer.format import SESSION, write_side_file
 
             if trace_dir.is_dir():
                 write_side_file(trace_dir, SESSION, asdict(result))  # json writes tuples as lists
@@ -264,6 +264,6 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
 
 
 def _layers(text: str):
-    from tracer.hooks import parse_layers
+    from tracer.format import parse_layers
 
     return parse_layers(text)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tracer.records import layer_index
+from tracer.format import layer_index
 
 
 def short_layer(name: str) -> str:

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from annotations import ANNOTATED_FILES, AnnotatedSource, annotate, resolve_file
 from pagedtrace.cli import UsageError
-from tracer.store import Trace
+from tracer.format import Trace
 
 #: Rich style per value kind (see ``annotations.values``).
 KIND_STYLES = {"captured": "green", "computed": "yellow", "static": "dim italic", "missing": "red"}

@@ -24,7 +24,7 @@ KERNEL_CHOICES = ("fast", "loop", "partitioned", "compiled")
 
 
 def _steps(text: str) -> tuple[int | None, int | None]:
-    from tracer.hooks import parse_steps
+    from tracer.format import parse_steps
 
     try:
         return parse_steps(text)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from pagedtrace.cli import UsageError
     from reference_impl.compiled import CompiledKernelError
     from reference_impl.replay import replay_trace, save_report
-    from tracer.store import Trace
+    from tracer.format import Trace
 
     if args.kernel not in KERNEL_CHOICES:
         if ":" not in args.kernel:
@@ -177,7 +177,7 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
     """Check ``--kernel MODULE:FUNCTION`` on every captured request step; 0 if all match, 1 if not."""
     from pagedtrace.cli import UsageError
     from reference_impl.testing import check_trace, load_kernel
-    from tracer.store import Trace
+    from tracer.format import Trace
 
     # As ``python -m`` does: a kernel module in the current directory imports.
     if os.getcwd() not in sys.path and "" not in sys.path:

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from pagedtrace.commands import short_layer
-from tracer.store import Trace
+from tracer.format import Trace
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -26,7 +26,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _steps(text: str) -> tuple[int | None, int | None]:
-    from tracer.hooks import parse_steps
+    from tracer.format import parse_steps
 
     try:
         return parse_steps(text)

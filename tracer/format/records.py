@@ -12,38 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from collections.abc import Collection
 from typing import Any
 
-#: Version of the on-disk trace format.
-#:
-#: Changelog:
-#:   1 (pagedtrace 0.1, 2026-11-30): first format: ``manifest.json``,
-#:     ``steps.jsonl`` (``StepRecord`` and ``GapRecord`` lines), ``tensors/*.safetensors``.
-FORMAT_VERSION = 1
+from tracer.format.layouts import STORED_LAYOUTS
+from tracer.format.version import FORMAT_VERSION
 
 #: Step kinds. ``profile``: vLLM's memory-profiling run before the KV cache
 #: exists; ``warmup``: compile / CUDA-graph warm-up and capture runs; ``request``:
 #: a step that serves scheduled requests.
 STEP_KINDS = ("profile", "warmup", "request")
 
-#: KV-cache layouts the tracer can name (same strings as ``reference_impl.layouts``).
-#: ``flash_nhd`` / ``flash_hnd``: FlashAttention's packed ``(num_blocks, H_kv,
-#: block_size, 2*D)`` with K in ``[..., :D]`` and V in ``[..., D:]``, physically
-#: (blocks, tokens, heads, K|V) or (blocks, heads, tokens, K|V). ``cpu``: the
-#: CPU backend's per-(block, head) ``K^T [D][bs]`` then ``V [bs][D]`` (its ``vec`` ISA);
-#: ``cpu_amx``: the same regions packed for AMX tiles (ISA ``amx``, bf16, block_size % 32 == 0).
-LAYOUTS = ("flash_nhd", "flash_hnd", "cpu", "cpu_amx")
-
-
-# The vLLM source files pagedtrace reads, relative to site-packages.
-PAGED_ATTN = "vllm/v1/attention/ops/paged_attn.py"
-FLASH_ATTN = "vllm/v1/attention/backends/flash_attn.py"
-CPU_ATTN = "vllm/v1/attention/backends/cpu_attn.py"
-ATTENTION = "vllm/model_executor/layers/attention/attention.py"
-BLOCK_TABLE = "vllm/v1/worker/block_table.py"
-#: Stored in every trace, so that the annotator and reports work later without vLLM.
-SOURCE_FILES = (PAGED_ATTN, FLASH_ATTN, CPU_ATTN, ATTENTION, BLOCK_TABLE)
+#: KV-cache layouts a trace may name: the layout registry's stored layouts
+#: (:mod:`tracer.format.layouts` describes each).
+LAYOUTS = STORED_LAYOUTS
 
 
 class TraceError(Exception):
@@ -57,11 +38,23 @@ def _tuple(value: Any) -> Any:
     return value
 
 
+#: Field metadata key: the format version that introduced a field. Reading an older
+#: version, a missing field of a later version gets its default; every other field is
+#: required.
+SINCE = "since"
+
+#: Fields whose values come from a fixed vocabulary, checked on load: (class, field) -> allowed.
+_VOCABULARY: dict[tuple[str, str], tuple[str, ...]] = {}
+
+
 class _JsonRecord:
     """Mixin: ``to_json`` / ``from_json`` for flat frozen dataclasses.
 
-    ``from_json`` rejects unknown and missing keys instead of filling gaps, so a
-    trace written by another format version never loads silently wrong.
+    ``from_json`` rejects unknown keys and missing keys instead of filling gaps, so a
+    trace written by another format version never loads silently wrong. The one
+    exception is spelled out per field: a field introduced in format version N
+    (``metadata={SINCE: N}``) may be absent from a record of an older version, and then
+    takes its default. Fields with a vocabulary (``kind``, ``layout``) are checked.
     """
 
     def to_json(self) -> dict[str, Any]:
@@ -75,16 +68,15 @@ class _JsonRecord:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]):
-        """Build the record from ``to_json``'s output; a wrong key set is a ``TraceError``."""
+    def from_json(cls, data: dict[str, Any], version: int = FORMAT_VERSION):
+        """Build the record from ``to_json``'s output, written by format ``version``.
+
+        A wrong key set or a value outside its vocabulary is a ``TraceError``.
+        """
         if not isinstance(data, dict):
             raise TraceError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
         names = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        required = {
-            n
-            for n, f in names.items()
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        }
+        required = {n for n, f in names.items() if f.metadata.get(SINCE, 1) <= version}
         missing = required - data.keys()
         unknown = data.keys() - names.keys()
         if missing or unknown:
@@ -93,9 +85,12 @@ class _JsonRecord:
             )
         kwargs = {}
         for name, value in data.items():
+            allowed = _VOCABULARY.get((cls.__name__, name))
+            if allowed is not None and value not in allowed:
+                raise TraceError(f"{cls.__name__}: {name} {value!r} is not one of {', '.join(allowed)}")
             nested = _NESTED.get((cls.__name__, name))
             if nested is not None and value is not None:
-                value = nested.from_json(value)
+                value = nested.from_json(value, version)
             elif name not in _KEEP_AS_IS:
                 value = _tuple(value)
             kwargs[name] = value
@@ -193,8 +188,8 @@ class StepRecord(_JsonRecord):
     num_heads: int
     num_kv_heads: int
     head_size: int
-    alibi_slopes: tuple[float, ...] | None = None  #: per query head, when the model uses ALiBi
-    sinks: tuple[float, ...] | None = None  #: per query head attention-sink logits (e.g. gpt-oss), else None
+    alibi_slopes: tuple[float, ...] | None = field(default=None, metadata={SINCE: 2})  #: per query head, when the model uses ALiBi
+    sinks: tuple[float, ...] | None = field(default=None, metadata={SINCE: 2})  #: per query head attention-sink logits (e.g. gpt-oss), else None
     tensors: str | None = None  #: safetensors file under ``tensors/``, or None when not captured
     tensor_names: tuple[str, ...] = ()  #: tensors in that file
 
@@ -235,40 +230,24 @@ _NESTED: dict[tuple[str, str], type[_JsonRecord]] = {
     ("RunInfo", "model"): ModelSummary,
     ("RunInfo", "kv_cache"): KVCacheSpec,
 }
+_VOCABULARY.update({
+    ("StepRecord", "kind"): STEP_KINDS,
+    ("GapRecord", "kind"): STEP_KINDS,
+    ("KVCacheSpec", "layout"): LAYOUTS,
+})
 #: Fields holding free-form JSON: keep lists as lists.
 _KEEP_AS_IS = {"options", "sources", "extra"}
 
 
-def layer_index(name: str) -> int | None:
-    """``model.layers.7.self_attn.attn`` -> 7 (the numbering ``--layers`` uses); None if no index."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part == "layers" and parts[i + 1].isdigit():
-            return int(parts[i + 1])
-    return None
-
-
-def layer_matches(name: str, wanted: Collection[str | int]) -> bool:
-    """``name`` is in ``wanted`` by full name or by its :func:`layer_index`."""
-    index = layer_index(name)
-    return name in wanted or (index is not None and index in wanted)
-
-
-def step_in_range(step: int, steps: tuple[int | None, int | None]) -> bool:
-    """``step`` lies in the half-open ``(start, stop)`` range; None leaves a side open."""
-    start, stop = steps
-    return (start is None or step >= start) and (stop is None or step < stop)
-
-
-def record_from_json(data: dict[str, Any]) -> StepRecord | GapRecord:
-    """Decode one line of ``steps.jsonl`` (``{"type": "step"|"gap", ...}``)."""
+def record_from_json(data: dict[str, Any], version: int = FORMAT_VERSION) -> StepRecord | GapRecord:
+    """Decode one line of ``steps.jsonl`` (``{"type": "step"|"gap", ...}``) of format ``version``."""
     if not isinstance(data, dict) or "type" not in data:
         raise TraceError("step line has no 'type'")
     body = {k: v for k, v in data.items() if k != "type"}
     if data["type"] == "step":
-        return StepRecord.from_json(body)
+        return StepRecord.from_json(body, version)
     if data["type"] == "gap":
-        return GapRecord.from_json(body)
+        return GapRecord.from_json(body, version)
     raise TraceError(f"unknown record type {data['type']!r}")
 
 

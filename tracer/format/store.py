@@ -15,7 +15,6 @@ read or written, so a report can be built where neither is installed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -23,15 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tracer.records import (
-    FORMAT_VERSION,
-    GapRecord,
-    RunInfo,
-    StepRecord,
-    TraceError,
-    record_from_json,
-    record_to_json,
-)
+from tracer.format.records import GapRecord, RunInfo, StepRecord, TraceError, record_from_json, record_to_json
+from tracer.format.version import FORMAT_VERSION, READABLE_VERSIONS
 
 if TYPE_CHECKING:
     import torch
@@ -158,7 +150,7 @@ class Trace:
                     if not line.strip():
                         continue
                     try:
-                        rec = record_from_json(json.loads(line))
+                        rec = record_from_json(json.loads(line), run.format_version)
                     except (json.JSONDecodeError, TraceError, TypeError) as exc:
                         what = "truncated or malformed" if isinstance(exc, json.JSONDecodeError) else str(exc)
                         msg = f"{steps_path}: line {lineno}: {what}"
@@ -241,18 +233,15 @@ def read_manifest(path: Path) -> RunInfo:
     except json.JSONDecodeError as exc:
         raise TraceError(f"{file}: not valid JSON: {exc}") from None
     version = data.get("format_version") if isinstance(data, dict) else None
-    if version != FORMAT_VERSION:
-        raise TraceError(
-            f"{file}: trace format version {version!r}; this pagedtrace reads version {FORMAT_VERSION}"
-        )
-    return RunInfo.from_json(data)
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise TraceError(f"{file}: trace format version {version!r}; this pagedtrace reads versions {readable}")
+    try:
+        return RunInfo.from_json(data, version)
+    except TraceError as exc:
+        raise TraceError(f"{file}: {exc}") from None
 
 
 def write_side_file(path: str | os.PathLike[str], name: str, data: Any) -> None:
     """Write a JSON side file (``session.json``, ``replay.json``) into a trace directory atomically."""
     _atomic_write_text(Path(path) / name, json.dumps(data, indent=2) + "\n")
-
-
-def sha256_text(text: str) -> str:
-    """Hex sha256 of a text's UTF-8 bytes (stored beside each source file)."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()

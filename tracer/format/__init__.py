@@ -1,0 +1,129 @@
+"""pagedtrace's bottom layer: what every room stands on, with no torch and no vLLM.
+
+* :mod:`~tracer.format.version` -- pagedtrace's version, ``FORMAT_VERSION`` and its history;
+* :mod:`~tracer.format.records` -- the records a trace is made of (manifest, steps, gaps);
+* :mod:`~tracer.format.store` -- the trace directory: ``TraceWriter`` and ``Trace``;
+* :mod:`~tracer.format.sources` -- the vLLM source files a trace keeps;
+* :mod:`~tracer.format.verdicts` -- replay's verdicts (``replay.json``), typed both ways;
+* :mod:`~tracer.format.layouts` -- the KV-cache layout registry and its geometry;
+* :mod:`~tracer.format.selection` -- ``--steps`` / ``--layers`` parsing and matching.
+
+``tracer`` (the hooks), ``reference_impl``, ``annotations``, ``reports`` and the CLI
+import from here; this package imports only the standard library (safetensors and
+torch are imported lazily, only to read or write tensors).
+"""
+
+from __future__ import annotations
+
+from tracer.format.layouts import LAYOUTS, REGISTRY, STORED_LAYOUTS, Layout, describe_layout, element_offset
+from tracer.format.records import (
+    STEP_KINDS,
+    GapRecord,
+    KVCacheSpec,
+    ModelSummary,
+    RunInfo,
+    StepRecord,
+    TraceError,
+    record_from_json,
+    record_to_json,
+)
+from tracer.format.selection import (
+    StepRange,
+    layer_index,
+    layer_matches,
+    parse_layers,
+    parse_steps,
+    step_in_range,
+)
+from tracer.format.sources import (
+    ATTENTION,
+    BLOCK_TABLE,
+    CPU_ATTN,
+    FLASH_ATTN,
+    PAGED_ATTN,
+    SOURCE_FILES,
+    read_sources,
+    sha256_text,
+    store_sources,
+)
+from tracer.format.store import (
+    MANIFEST,
+    REPLAY,
+    SESSION,
+    SOURCES_DIR,
+    STEPS,
+    TENSORS_DIR,
+    Trace,
+    TraceWriter,
+    read_manifest,
+    tensor_file_name,
+    write_side_file,
+)
+from tracer.format.verdicts import (
+    AttentionVerdict,
+    CaseResult,
+    HeadResult,
+    LegacyCheck,
+    ReplayReport,
+    StepResult,
+    Tolerance,
+    WriteCheck,
+    finite_or_none,
+)
+from tracer.format.version import FORMAT_VERSION, READABLE_VERSIONS, __version__
+
+__all__ = [
+    "ATTENTION",
+    "BLOCK_TABLE",
+    "CPU_ATTN",
+    "FLASH_ATTN",
+    "FORMAT_VERSION",
+    "LAYOUTS",
+    "MANIFEST",
+    "PAGED_ATTN",
+    "READABLE_VERSIONS",
+    "REGISTRY",
+    "REPLAY",
+    "SESSION",
+    "SOURCES_DIR",
+    "SOURCE_FILES",
+    "STEPS",
+    "STEP_KINDS",
+    "STORED_LAYOUTS",
+    "TENSORS_DIR",
+    "AttentionVerdict",
+    "CaseResult",
+    "GapRecord",
+    "HeadResult",
+    "KVCacheSpec",
+    "Layout",
+    "LegacyCheck",
+    "ModelSummary",
+    "ReplayReport",
+    "RunInfo",
+    "StepRange",
+    "StepRecord",
+    "StepResult",
+    "Tolerance",
+    "Trace",
+    "TraceError",
+    "TraceWriter",
+    "WriteCheck",
+    "__version__",
+    "describe_layout",
+    "element_offset",
+    "finite_or_none",
+    "layer_index",
+    "layer_matches",
+    "parse_layers",
+    "parse_steps",
+    "read_manifest",
+    "read_sources",
+    "record_from_json",
+    "record_to_json",
+    "sha256_text",
+    "step_in_range",
+    "store_sources",
+    "tensor_file_name",
+    "write_side_file",
+]

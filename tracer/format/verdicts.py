@@ -1,0 +1,399 @@
+"""Replay verdicts as records: what ``replay.json`` holds, written and read back typed.
+
+``reference_impl.replay`` makes these records, ``reports`` and the CLI read them. Both
+sides go through :meth:`ReplayReport.to_json` / :meth:`ReplayReport.from_json`, so the
+report never re-parses loose JSON. The kernel checks of ``reference_impl.testing`` make
+:class:`CaseResult`, the same attention verdict with the extra numbers a kernel author
+needs.
+
+Errors that are not finite (NaN, inf) are written as JSON ``null`` (JSON has neither)
+and read back as NaN. ``replay.json`` carries the trace format version it was written
+with (:data:`tracer.format.version.FORMAT_VERSION`); a version-1 file (no version, and
+``skipped`` a count) still reads.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tracer.format.records import TraceError
+from tracer.format.version import FORMAT_VERSION
+
+__all__ = [
+    "AttentionVerdict",
+    "CaseResult",
+    "HeadResult",
+    "LegacyCheck",
+    "ReplayReport",
+    "StepResult",
+    "Tolerance",
+    "WriteCheck",
+    "finite_or_none",
+]
+
+T = TypeVar("T")
+
+
+def finite_or_none(x: float) -> float | None:
+    """JSON has no NaN/Infinity: a non-finite number is written as null."""
+    return x if math.isfinite(x) else None
+
+
+def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], owner: str) -> Any:
+    """``data[name]``, checked to be of ``kind``; a ``TraceError`` naming ``owner`` otherwise."""
+    if name not in data:
+        raise TraceError(f"{owner}: missing field {name!r}")
+    value = data[name]
+    # bool is an int subclass: a count or index must not be True/False.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise TraceError(f"{owner}: field {name!r} is {value!r}, expected {_kind_name(kind)}")
+    if not isinstance(value, kind):
+        raise TraceError(f"{owner}: field {name!r} is {type(value).__name__}, expected {_kind_name(kind)}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+
+
+def _float(data: Mapping[str, Any], name: str, owner: str) -> float:
+    """A number written by :func:`finite_or_none`: null reads back as NaN."""
+    value = _field(data, name, (int, float, type(None)), owner)
+    return math.nan if value is None else float(value)
+
+
+def _list(data: Mapping[str, Any], name: str, owner: str, item: Callable[[Any], T]) -> tuple[T, ...]:
+    return tuple(item(v) for v in _field(data, name, list, owner))
+
+
+def _object(value: Any, owner: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise TraceError(f"{owner}: expected an object, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How the bar was set: ``k * err(baseline) + eps`` against a reference in ``reference_dtype``."""
+
+    k: float  #: multiple of the low-precision baseline's error
+    eps: float  #: absolute floor
+    reference_dtype: str  #: precision of the reference, e.g. ``float64``
+
+    def to_json(self) -> dict[str, Any]:
+        """``replay.json``'s ``tolerance`` object."""
+        return {"k": self.k, "eps": self.eps, "reference_dtype": self.reference_dtype}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Tolerance:
+        """Read :meth:`to_json`'s output; a malformed object is a ``TraceError``."""
+        d = _object(data, "tolerance")
+        return cls(k=_float(d, "k", "tolerance"), eps=_float(d, "eps", "tolerance"),
+                   reference_dtype=_field(d, "reference_dtype", str, "tolerance"))
+
+
+@dataclass(frozen=True)
+class HeadResult:
+    """Attention error of one query head in one (step, layer)."""
+
+    head: int  #: 0-based query head
+    ok: bool  #: ``max_abs <= tol`` of its step
+    max_abs: float  #: max |vLLM - reference| over this head's tokens and dims
+    max_rel: float  #: ``max_abs`` over max |reference| of this head
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict (non-finite errors as null)."""
+        return {"head": self.head, "ok": self.ok, "max_abs": finite_or_none(self.max_abs),
+                "max_rel": finite_or_none(self.max_rel)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> HeadResult:
+        """Read :meth:`to_json`'s output."""
+        d = _object(data, "head result")
+        return cls(head=_field(d, "head", int, "head result"), ok=_field(d, "ok", bool, "head result"),
+                   max_abs=_float(d, "max_abs", "head result"), max_rel=_float(d, "max_rel", "head result"))
+
+
+@dataclass(frozen=True)
+class AttentionVerdict:
+    """The numbers every attention verdict has: where, how far off, and the bar it was held to."""
+
+    step: int  #: 0-based forward-pass index, as ``StepRecord.step``
+    layer: str
+    kind: str  #: ``StepRecord.kind``
+    num_reqs: int
+    num_tokens: int  #: query tokens compared (``num_actual_tokens``)
+    ok: bool
+    max_abs: float  #: max |output - fp64 reference|
+    max_rel: float  #: ``max_abs`` over max |reference|
+    tol: float  #: allowed ``max_abs``: ``k * baseline_max_abs + eps``
+    baseline_max_abs: float  #: max |reference in the activation dtype - fp64 reference|
+
+    def _base_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "layer": self.layer, "kind": self.kind, "ok": self.ok,
+            "max_abs": finite_or_none(self.max_abs), "max_rel": finite_or_none(self.max_rel),
+            "tol": finite_or_none(self.tol), "baseline_max_abs": finite_or_none(self.baseline_max_abs),
+            "num_tokens": self.num_tokens, "num_reqs": self.num_reqs,
+        }
+
+    @staticmethod
+    def _base_fields(d: Mapping[str, Any], owner: str) -> dict[str, Any]:
+        return {
+            "step": _field(d, "step", int, owner), "layer": _field(d, "layer", str, owner),
+            "kind": _field(d, "kind", str, owner), "num_reqs": _field(d, "num_reqs", int, owner),
+            "num_tokens": _field(d, "num_tokens", int, owner), "ok": _field(d, "ok", bool, owner),
+            "max_abs": _float(d, "max_abs", owner), "max_rel": _float(d, "max_rel", owner),
+            "tol": _float(d, "tol", owner), "baseline_max_abs": _float(d, "baseline_max_abs", owner),
+        }
+
+
+@dataclass(frozen=True)
+class StepResult(AttentionVerdict):
+    """Attention replay of one (step, layer): vLLM's ``output`` against the reference."""
+
+    heads: tuple[HeadResult, ...] = ()
+    note: str = ""  #: why it failed beyond the numbers (e.g. a block the table names was not captured)
+
+    @property
+    def bad_heads(self) -> tuple[int, ...]:
+        """Query heads outside the tolerance."""
+        return tuple(h.head for h in self.heads if not h.ok)
+
+    def to_json(self) -> dict[str, Any]:
+        """One entry of ``replay.json``'s ``steps``."""
+        return {**self._base_json(), "heads": [h.to_json() for h in self.heads], "note": self.note}
+
+    @classmethod
+    def from_json(cls, data: Any) -> StepResult:
+        """Read :meth:`to_json`'s output."""
+        d = _object(data, "step result")
+        return cls(**cls._base_fields(d, "step result"),
+                   heads=_list(d, "heads", "step result", HeadResult.from_json),
+                   note=_field(d, "note", str, "step result"))
+
+
+@dataclass(frozen=True)
+class WriteCheck:
+    """Write path of one (step, layer): do the captured blocks hold the new K/V bits?"""
+
+    step: int
+    layer: str
+    ok: bool
+    tokens: int  #: slots written (``slot_mapping`` entries other than -1)
+    mismatches: int  #: of those, tokens whose K or V bits differ (or whose block was not captured)
+    first_mismatch: int | None = None  #: 0-based token index of the first mismatch
+
+    def to_json(self) -> dict[str, Any]:
+        """One entry of ``replay.json``'s ``write_path``."""
+        return {"step": self.step, "layer": self.layer, "ok": self.ok, "tokens": self.tokens,
+                "mismatches": self.mismatches, "first_mismatch": self.first_mismatch}
+
+    @classmethod
+    def from_json(cls, data: Any) -> WriteCheck:
+        """Read :meth:`to_json`'s output."""
+        d, o = _object(data, "write check"), "write check"
+        return cls(step=_field(d, "step", int, o), layer=_field(d, "layer", str, o), ok=_field(d, "ok", bool, o),
+                   tokens=_field(d, "tokens", int, o), mismatches=_field(d, "mismatches", int, o),
+                   first_mismatch=_field(d, "first_mismatch", (int, type(None)), o))
+
+
+@dataclass(frozen=True)
+class LegacyCheck:
+    """The legacy ``[nb, H_kv, D/x, bs, x]`` round trip of one (step, layer)."""
+
+    step: int
+    layer: str
+    ok: bool  #: attention through the legacy layout is bitwise the direct result
+    max_abs: float  #: max |legacy-path reference - direct reference| (0 when ok)
+    x: int  #: elements per 16-byte vector, ``16 // element_size``
+
+    def to_json(self) -> dict[str, Any]:
+        """One entry of ``replay.json``'s ``legacy``."""
+        return {"step": self.step, "layer": self.layer, "ok": self.ok,
+                "max_abs": finite_or_none(self.max_abs), "x": self.x}
+
+    @classmethod
+    def from_json(cls, data: Any) -> LegacyCheck:
+        """Read :meth:`to_json`'s output."""
+        d, o = _object(data, "legacy check"), "legacy check"
+        return cls(step=_field(d, "step", int, o), layer=_field(d, "layer", str, o), ok=_field(d, "ok", bool, o),
+                   max_abs=_float(d, "max_abs", o), x=_field(d, "x", int, o))
+
+
+#: What a version-1 ``replay.json`` says of its skipped records (it kept only their count).
+V1_SKIPPED = "reason not kept (replay.json of format version 1)"
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """Everything ``replay_trace`` found; ``ok`` only if every check passed."""
+
+    kernel: str  #: the reference form, e.g. ``fast``
+    layout: str  #: the layout the blocks were read in (``cpu_amx`` when found behind ``cpu``)
+    recorded_layout: str  #: ``KVCacheSpec.layout`` as the manifest has it
+    tolerance: Tolerance
+    steps: tuple[StepResult, ...]
+    write_path: tuple[WriteCheck, ...]
+    legacy: tuple[LegacyCheck, ...]
+    skipped: tuple[str, ...] = ()  #: selected records that could not be replayed, and why
+    seconds: float = 0.0  #: wall time of the replay
+    format_version: int = FORMAT_VERSION  #: trace format version this file was written with
+
+    @property
+    def ok(self) -> bool:
+        """True when at least one step was replayed and nothing mismatched."""
+        return bool(self.steps) and all(r.ok for r in self.checks())
+
+    def checks(self) -> tuple[StepResult | WriteCheck | LegacyCheck, ...]:
+        """Every check of every kind, steps first."""
+        return (*self.steps, *self.write_path, *self.legacy)
+
+    def sections(self) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+        """``(name, checks)`` per kind of check, in ``replay.json``'s order."""
+        return (("steps", self.steps), ("write_path", self.write_path), ("legacy", self.legacy))
+
+    def by_step(self) -> dict[int, list[StepResult]]:
+        """Attention results grouped by step index (one per replayed layer)."""
+        out: dict[int, list[StepResult]] = {}
+        for r in self.steps:
+            out.setdefault(r.step, []).append(r)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``replay.json`` object."""
+        return {
+            "format_version": self.format_version,
+            "ok": self.ok,
+            "kernel": self.kernel,
+            "layout": self.layout,
+            "recorded_layout": self.recorded_layout,
+            "tolerance": self.tolerance.to_json(),
+            "seconds": round(self.seconds, 3),
+            "steps": [r.to_json() for r in self.steps],
+            "write_path": [r.to_json() for r in self.write_path],
+            "legacy": [r.to_json() for r in self.legacy],
+            "skipped": list(self.skipped),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> ReplayReport:
+        """Read ``replay.json`` (this version or version 1); a malformed file is a ``TraceError``.
+
+        ``ok`` is not read back: it is derived from the checks.
+        """
+        d, o = _object(data, "replay.json"), "replay.json"
+        version = d.get("format_version", 1)
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+            raise TraceError(f"replay.json: format version {version!r}; this pagedtrace reads 1 to {FORMAT_VERSION}")
+        raw_skipped = d.get("skipped", [])
+        if version == 1 and isinstance(raw_skipped, int) and not isinstance(raw_skipped, bool):
+            skipped = (V1_SKIPPED,) * raw_skipped  # version 1 wrote a count
+        else:
+            skipped = _list(d, "skipped", o, lambda s: s if isinstance(s, str) else _bad_skip(s))
+        return cls(
+            kernel=_field(d, "kernel", str, o), layout=_field(d, "layout", str, o),
+            recorded_layout=_field(d, "recorded_layout", str, o),
+            tolerance=Tolerance.from_json(d.get("tolerance")),
+            steps=_list(d, "steps", o, StepResult.from_json),
+            write_path=_list(d, "write_path", o, WriteCheck.from_json),
+            legacy=_list(d, "legacy", o, LegacyCheck.from_json),
+            skipped=skipped, seconds=_float(d, "seconds", o), format_version=version,
+        )
+
+
+def _bad_skip(value: Any) -> str:
+    raise TraceError(f"replay.json: a 'skipped' entry is {type(value).__name__}, expected str")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaseResult(AttentionVerdict):
+    """How one user kernel did on one captured case. ``str(result)`` / :meth:`message` explain it."""
+
+    id: str  #: the case's id
+    kernel: str  #: ``module:qualname``
+    vllm_max_abs: float  #: max |out - vLLM's captured output|
+    vllm_ref_max_abs: float  #: max |vLLM's output - fp64 reference|, for scale
+    heads: tuple[float, ...] = ()  #: per query head: max |out - reference|
+    worst: tuple[int, int, int, int] | None = None  #: ``(token, head, dim, request)`` of the largest error, 0-based
+    nonfinite: int = 0  #: NaN / inf values among the compared outputs
+    tol_k: float = 2.0
+    tol_eps: float = 1e-5
+    note: str = ""  #: why it failed beyond the numbers (shape, an exception), or the case's note
+
+    @property
+    def bad_heads(self) -> tuple[int, ...]:
+        """Query heads whose max error exceeds the tolerance (NaN counts as bad)."""
+        return tuple(h for h, err in enumerate(self.heads) if not err <= self.tol)
+
+    @property
+    def worst_head(self) -> int | None:
+        """The query head with the largest error (None when nothing was compared)."""
+        return None if self.worst is None else self.worst[1]
+
+    def message(self) -> str:
+        """A readable verdict: where, how far, what the tolerance was."""
+        verdict = "matches" if self.ok else "does NOT match"
+        lines = [f"{self.kernel} {verdict} vLLM on {self.id} "
+                 f"(step {self.step}, layer {self.layer}, {self.kind}, {self.num_reqs} request(s), "
+                 f"{self.num_tokens} query token(s))"]
+        if math.isfinite(self.max_abs) or self.heads:
+            cmp = "<=" if self.max_abs <= self.tol else ">"
+            lines.append(f"  max abs error {_num(self.max_abs)} {cmp} tolerance {_num(self.tol)} "
+                         f"(= {_num(self.tol_k)} x {_num(self.baseline_max_abs)}, the naive low-precision "
+                         f"error, + {_num(self.tol_eps)}); max rel {_num(self.max_rel)}")
+        if self.nonfinite:
+            lines.append(f"  {self.nonfinite} NaN/inf value(s) in the output")
+        if self.worst is not None and self.heads:
+            token, head, dim, request = self.worst
+            bad = self.bad_heads
+            lines.append(f"  worst: head {head} (max abs {_num(self.heads[head])}), token {token} "
+                         f"(request {request}), dim {dim}; {len(bad)}/{len(self.heads)} head(s) outside "
+                         "tolerance" + (f": {_head_list(bad)}" if bad else ""))
+            lines.append(f"  vs vLLM's captured output: max abs {_num(self.vllm_max_abs)} "
+                         f"(vLLM itself is {_num(self.vllm_ref_max_abs)} from the fp64 reference)")
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        return "\n".join(lines)
+
+    __str__ = message
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict (non-finite errors as null)."""
+        f = finite_or_none
+        return {
+            "id": self.id, "kernel": self.kernel, **self._base_json(),
+            "vllm_max_abs": f(self.vllm_max_abs), "vllm_ref_max_abs": f(self.vllm_ref_max_abs),
+            "heads": [f(h) for h in self.heads], "bad_heads": list(self.bad_heads),
+            "worst": None if self.worst is None else dict(zip(("token", "head", "dim", "request"), self.worst)),
+            "nonfinite": self.nonfinite, "tol_k": self.tol_k, "tol_eps": self.tol_eps, "note": self.note,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> CaseResult:
+        """Read :meth:`to_json`'s output (``bad_heads`` is derived, not read)."""
+        d, o = _object(data, "case result"), "case result"
+        worst = _field(d, "worst", (dict, type(None)), o)
+        return cls(
+            **cls._base_fields(d, o), id=_field(d, "id", str, o), kernel=_field(d, "kernel", str, o),
+            vllm_max_abs=_float(d, "vllm_max_abs", o), vllm_ref_max_abs=_float(d, "vllm_ref_max_abs", o),
+            heads=_list(d, "heads", o, lambda h: math.nan if h is None else float(h)),
+            worst=None if worst is None else tuple(_field(worst, k, int, o) for k in ("token", "head", "dim", "request")),
+            nonfinite=_field(d, "nonfinite", int, o), tol_k=_float(d, "tol_k", o), tol_eps=_float(d, "tol_eps", o),
+            note=_field(d, "note", str, o),
+        )
+
+
+def _num(x: float) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else str(x)
+
+
+def _head_list(heads: tuple[int, ...], limit: int = 8) -> str:
+    shown = ", ".join(map(str, heads[:limit]))
+    return shown + (f" ... (+{len(heads) - limit})" if len(heads) > limit else "")

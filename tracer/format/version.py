@@ -1,0 +1,32 @@
+"""Versions: pagedtrace's own, and the trace format's with its history.
+
+Standard library only; every room (and the CLI) reads the version from here.
+"""
+
+from __future__ import annotations
+
+#: pagedtrace's release (also in pyproject.toml; the manifest records it).
+__version__ = "0.1.0"
+
+#: Version of the on-disk trace format (``manifest.json``, ``steps.jsonl``,
+#: ``tensors/``, ``sources/``, ``replay.json``). Readers open every version in
+#: :data:`READABLE_VERSIONS`; anything else is a clear ``TraceError``.
+#:
+#: History:
+#:
+#: 1 (pagedtrace 0.1, 2026-11-30)
+#:   First format: ``manifest.json`` (``RunInfo``), ``steps.jsonl`` (``StepRecord`` and
+#:   ``GapRecord`` lines), ``tensors/*.safetensors``, ``sources/`` with sha256 per file.
+#:   Late in 0.1 ``StepRecord`` gained ``alibi_slopes`` and ``sinks`` without a bump: a
+#:   version-1 line may lack them (read as None). Early version-1 traces name the CPU
+#:   backend's AMX packing ``cpu`` (``reference_impl.replay.resolve_layout`` finds it).
+#:   ``replay.json`` had no version and wrote ``skipped`` as a count.
+#: 2 (pagedtrace 0.2, 2026-12-01)
+#:   Every record field is written and required (``alibi_slopes`` / ``sinks`` included);
+#:   ``kind`` (``STEP_KINDS``) and ``layout`` (the layout registry's stored names) are
+#:   checked on load; ``replay.json`` carries ``format_version`` and lists ``skipped``
+#:   records with their reasons.
+FORMAT_VERSION = 2
+
+#: Format versions this pagedtrace reads.
+READABLE_VERSIONS = (1, 2)
