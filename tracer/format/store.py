@@ -15,6 +15,7 @@ read or written, so a report can be built where neither is installed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -184,7 +185,7 @@ class Trace:
                 f"step {record.step} layer {record.layer}: no tensors captured "
                 "(trace with tensors on, e.g. `pagedtrace run --tensors`)"
             )
-        file = self.path / TENSORS_DIR / record.tensors
+        file = self.member(TENSORS_DIR, record.tensors)
         if not file.is_file():
             raise TraceError(f"{file}: tensor file missing")
         try:
@@ -203,17 +204,51 @@ class Trace:
         entry = self.run.sources.get(vllm_path)
         if entry is None:
             return None
-        file = self.path / entry["file"]
-        return file.read_text(encoding="utf-8") if file.is_file() else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+            raise TraceError(f"{self.path / MANIFEST}: sources[{vllm_path!r}] has no file name")
+        rel = entry["file"]
+        prefix = SOURCES_DIR + "/"
+        if not rel.startswith(prefix):
+            raise TraceError(f"{self.path / MANIFEST}: source {rel!r} is not under {SOURCES_DIR}/")
+        file = self.member(SOURCES_DIR, rel[len(prefix):])
+        if not file.is_file():
+            return None
+        data = file.read_bytes()
+        expected = entry.get("sha256")
+        if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+            raise TraceError(f"{file}: content does not match the sha256 the manifest stores")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise TraceError(f"{file}: not UTF-8 text") from None
+
+    def member(self, subdir: str, rel: str) -> Path:
+        """``subdir/rel`` inside the trace directory, refusing anything that leads outside it.
+
+        A trace is untrusted input: an absolute path, a ``..`` part or a symbolic link
+        anywhere below the trace directory is a ``TraceError``, so reading a trace never
+        reads another file of the machine.
+        """
+        parts = rel.split("/")
+        if not rel or rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
+            raise TraceError(f"{self.path}: {subdir}/{rel!r} is not a plain path inside the trace")
+        file = self.path / subdir
+        for part in ("", *parts):
+            file = file / part if part else file
+            if file.is_symlink():
+                raise TraceError(f"{file}: a symbolic link inside the trace; refusing to follow it")
+        return file
 
     def read_json(self, name: str) -> Any | None:
         """A side file (``session.json``, ``replay.json``), or None if absent."""
         file = self.path / name
+        if file.is_symlink():
+            raise TraceError(f"{file}: a symbolic link inside the trace; refusing to follow it")
         if not file.is_file():
             return None
         try:
             return json.loads(file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise TraceError(f"{file}: not valid JSON: {exc}") from None
 
     def iter_with_tensors(self, **filters: Any) -> Iterator[tuple[StepRecord, dict[str, torch.Tensor]]]:
