@@ -3,35 +3,42 @@
 Nothing here imports vllm; everything but the pytest plugin imports only torch, the
 standard library and ``tracer.format`` (the bottom layer) (to read traces).
 
-:mod:`reference_impl.layouts`
-    Readers and writers for the KV-cache layouts vLLM allocates (FlashAttention packed
-    NHD/HND, the CPU backend's K^T|V regions and their AMX packing, the legacy ``[.., D/x, bs, x]`` split, fp8
-    bytes), all converted to the canonical ``[num_blocks, block_size, H_kv, D]`` K and V
-    caches, plus a description of each layout's memory for the reports.
 :mod:`reference_impl.kernel`
-    Paged attention as a readable block loop with online softmax, as a fast batched
-    gather, and split into partitions merged by log-sum-exp; a dense reference; and
-    tolerance helpers that measure error against a low-precision baseline.
+    The readable reference: paged attention as a block loop with online softmax and
+    split into partitions merged by log-sum-exp; a dense reference. Shapes and
+    semantics of every form are in its docstring.
+:mod:`reference_impl.fast`
+    The same attention as a fast batched gather (on the core in
+    :mod:`reference_impl.gathered`), to replay traces.
 :mod:`reference_impl.compiled`
     :func:`paged_attention_fast` with its decode rows in a small C++ kernel built on first
     use (opt-in, for replaying long traces; needs a C++ compiler and ninja).
+:mod:`reference_impl.tolerances`
+    Error measured against a low-precision baseline: the bar every kernel is held to.
+:mod:`reference_impl.options`
+    :class:`~reference_impl.options.KernelOptions`: a step's kernel keywords, declared once.
+:mod:`reference_impl.layouts`
+    Torch readers and writers for the KV-cache layouts of the bottom layer's registry
+    (FlashAttention NHD/HND, the CPU backend's K^T|V regions and their AMX packing, the
+    legacy ``[.., D/x, bs, x]`` split, fp8 bytes), to and from the canonical
+    ``[num_blocks, block_size, H_kv, D]`` K and V caches.
 :mod:`reference_impl.replay`
     Reruns each captured step from a trace and compares with vLLM's output; checks the
-    KV write path and the legacy layout (``pagedtrace replay``).
+    KV write path and the legacy layout (``pagedtrace replay``), with
+    :mod:`~reference_impl.resolve`, :mod:`~reference_impl.inputs` and
+    :mod:`~reference_impl.checks`.
 :mod:`reference_impl.testing`, :mod:`reference_impl.pytest_plugin`, :mod:`reference_impl.kernel_check`
     Check any user's kernel against real vLLM steps, from Python or pytest
     (``pytest -p reference_impl.pytest_plugin``; the plugin imports pytest).
 """
 
 from reference_impl.compiled import paged_attention_compiled
+from reference_impl.fast import paged_attention_fast
 from reference_impl.kernel import (
     combine_partitions,
-    compare,
     dense_attention,
-    paged_attention_fast,
     paged_attention_loop,
     paged_attention_partitioned,
-    tolerance,
 )
 from reference_impl.layouts import (
     LAYOUT_CPU,
@@ -59,6 +66,7 @@ from reference_impl.layouts import (
     legacy_x,
     read_kv,
 )
+from reference_impl.tolerances import compare, tolerance
 
 __all__ = [
     "LAYOUT_CPU",

@@ -7,7 +7,7 @@ use, a small C++ flash-decoding kernel with ``torch.utils.cpp_extension.load_inl
 compiler and ninja are needed; the build, ~30 s, is cached by torch) and runs the one-query
 rows through it (sums in fp32 or fp64, the compute dtype); every other row, and every batch
 it does not cover (a cache other than bf16, a bf16/fp16 compute dtype, soft-cap, ALiBi, a
-head size not in ``HEAD_SIZES``), goes to :func:`paged_attention_fast` unchanged.
+head size not in ``HEAD_SIZES``), goes to :func:`reference_impl.fast.paged_attention_fast` unchanged.
 
 The kernel, per sequence and partition of 256 keys: read each token's K for all heads (one
 contiguous run), convert it from bf16, logits, softmax, ``p @ v``; the partitions of a
@@ -31,7 +31,8 @@ from types import ModuleType
 
 import torch
 
-from reference_impl.kernel import _add_sinks, _cdiv, _check_args, paged_attention_fast
+from reference_impl.common import add_sinks, cdiv, check_args
+from reference_impl.fast import paged_attention_fast
 
 __all__ = ["paged_attention_compiled", "load", "CompiledKernelError", "HEAD_SIZES"]
 
@@ -372,7 +373,7 @@ def paged_attention_compiled(
         return paged_attention_fast(query, key_cache, value_cache, block_table, seq_lens,
                                     query_start_loc, sinks=sinks, return_lse=return_lse, **kwargs)
     module = load()
-    _check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     num_tokens, num_heads, _ = query.shape
     if len(decode) < sum(1 for b, s in enumerate(lens) if s > 0 and q_lens[b] > 0):
@@ -387,7 +388,7 @@ def paged_attention_compiled(
         lse = torch.full((num_tokens, num_heads), -math.inf, dtype=compute_dtype)
     rows = torch.tensor([starts[b] for b in decode])
     decode_lens = torch.tensor([lens[b] for b in decode], dtype=torch.long)
-    width = _cdiv(max(lens[b] for b in decode), block_size)
+    width = cdiv(max(lens[b] for b in decode), block_size)
     table = block_table[decode, :width].long().contiguous()
     # The kernel checks the blocks it reads too, but by its own row numbers: name the batch's.
     used = torch.arange(width)[None, :] < ((decode_lens + block_size - 1) // block_size)[:, None]
@@ -404,7 +405,7 @@ def paged_attention_compiled(
     o, part_lse = o.view(len(decode), num_heads, head_size), part_lse.view(len(decode), num_heads)
     out[rows], lse[rows] = o, part_lse
     if sinks is not None:
-        out, lse = _add_sinks(out, lse, sinks, starts[-1])
+        out, lse = add_sinks(out, lse, sinks, starts[-1])
     if return_lse:
         return out, lse
     return out

@@ -1,43 +1,24 @@
-"""Readers and writers for the paged KV-cache layouts that vLLM 0.26 really allocates.
+"""Torch readers and writers for the KV-cache layouts of :mod:`tracer.format.layouts`.
 
 Every kernel in :mod:`reference_impl.kernel` reads one canonical form::
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]   ("NHD")
 
 which is what ``FlashAttentionImpl.forward`` gets from
-``kv_cache.transpose(1, 2).split(head_size, dim=-1)``. This module converts that form
-to and from the layouts the backends keep in memory:
-
-``flash_nhd`` / ``flash_hnd``
-    FlashAttention's packed cache, logical shape ``(num_blocks, H_kv, block_size, 2*D)``
-    with K in ``[..., :D]`` and V in ``[..., D:]``. ``get_kv_cache_stride_order`` picks the
-    physical order: NHD ``(0, 2, 1, 3)`` keeps memory as (blocks, tokens, heads, K|V), HND
-    ``(0, 1, 2, 3)`` as (blocks, heads, tokens, K|V).
-``cpu``
-    The ``CPU_ATTN`` backend: same logical shape ``(num_blocks, H_kv, block_size, 2*D)``,
-    contiguous, but each (block, kv head) region of ``2*block_size*D`` elements is
-    ``view(nb, H, 2*bs, D).chunk(2, dim=2)``: first half K stored transposed ``[D][bs]``
-    (what ``cpu_attn_reshape_and_cache`` writes for the ``vec``/``vec16`` ISAs), second
-    half V ``[bs][D]``. This is what the ``vec`` and ``vec16`` ISAs use.
-``cpu_amx``
-    The same backend on a CPU with AMX tiles, for bf16 caches with ``block_size % 32 == 0``
-    and ``head_size % 32 == 0`` (``_get_attn_isa`` returns ``"amx"``): the same regions,
-    VNNI-packed in pairs of bf16 for the tile loads: K as ``[bs/16][D/2][16][2]``
-    (token tile, dim pair, token, dim within pair), V as ``[D/16][bs/2][16][2]``
-    (dim tile, token pair, dim, token within pair). :func:`cpu_layout_for` picks between
-    the two CPU layouts the way vLLM does.
-``legacy``
-    ``PagedAttention.split_kv_cache`` (``vllm/v1/attention/ops/paged_attn.py``): key
-    ``[num_blocks, H_kv, D/x, block_size, x]`` with ``x = 16 // element_size`` (16-byte
-    vectors), value ``[num_blocks, H_kv, D, block_size]``.
+``kv_cache.transpose(1, 2).split(head_size, dim=-1)``. What each layout keeps where is
+declared once, in the bottom layer's registry (``tracer.format.layouts.REGISTRY``, with
+its :func:`describe_layout` / :func:`element_offset` geometry); this module registers one
+reader (layout -> canonical K, V) in :data:`READERS` and one writer (canonical K, V ->
+layout) in :data:`WRITERS` per registry name, and :func:`read_kv` dispatches through
+them. :func:`cpu_layout_for` picks between the two CPU layouts the way vLLM does.
 
 All conversions copy and are exact (they only move elements); a uint8 fp8 cache moves as
-bytes. :func:`describe_layout` and :func:`element_offset` give the memory picture the
-reports draw.
+bytes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import torch
 
@@ -84,6 +65,8 @@ __all__ = [
     "element_offset",
     "dequant_fp8",
     "read_kv",
+    "READERS",
+    "WRITERS",
 ]
 
 
@@ -108,29 +91,6 @@ def _check_kv_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
 
 
 # --------------------------------------------------------------------------- flash
-
-
-def flash_strides(
-    num_blocks: int, num_kv_heads: int, block_size: int, head_size: int, layout: str = "NHD"
-) -> tuple[int, int, int, int]:
-    """Element strides of FlashAttention's logical ``(nb, H_kv, bs, 2*D)`` cache.
-
-    ``layout`` is ``"NHD"``/``"flash_nhd"`` or ``"HND"``/``"flash_hnd"``. The strides are
-    those of the tensor vLLM hands the backend: allocated contiguous in the physical order,
-    then permuted back to the logical shape.
-    """
-    order = FLASH_STRIDE_ORDER[flash_layout_name(layout)]
-    logical = (num_blocks, num_kv_heads, block_size, 2 * head_size)
-    physical = [logical[i] for i in order]
-    physical_strides = [0] * 4
-    step = 1
-    for axis in range(3, -1, -1):
-        physical_strides[axis] = step
-        step *= physical[axis]
-    strides = [0] * 4
-    for physical_axis, logical_axis in enumerate(order):
-        strides[logical_axis] = physical_strides[physical_axis]
-    return tuple(strides)  # type: ignore[return-value]
 
 
 def flash_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,17 +374,39 @@ def read_kv(
     Returns:
         ``(key_cache, value_cache)`` in the stored dtype (uint8 fp8 stays uint8).
     """
-    if layout in (LAYOUT_FLASH_NHD, LAYOUT_FLASH_HND):
-        return flash_to_kv(kv_cache, head_size)  # type: ignore[arg-type]
-    if layout == LAYOUT_CPU:
-        return cpu_to_kv(kv_cache, head_size)  # type: ignore[arg-type]
-    if layout == LAYOUT_CPU_AMX:
-        return cpu_amx_to_kv(kv_cache, head_size)  # type: ignore[arg-type]
-    if layout == LAYOUT_LEGACY:
-        if isinstance(kv_cache, torch.Tensor):
-            if num_kv_heads is None:
-                raise ValueError("a stacked legacy cache needs num_kv_heads")
-            kv_cache = _split_legacy_stacked(kv_cache, num_kv_heads, head_size)
-        key_legacy, value_legacy = kv_cache
-        return legacy_to_kv(key_legacy, value_legacy)
-    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    reader = READERS.get(layout)
+    if reader is None:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    if layout == LAYOUT_LEGACY and isinstance(kv_cache, torch.Tensor):
+        if num_kv_heads is None:
+            raise ValueError("a stacked legacy cache needs num_kv_heads")
+        kv_cache = _split_legacy_stacked(kv_cache, num_kv_heads, head_size)
+    return reader(kv_cache, head_size)
+
+
+# --------------------------------------------------------------------------- registration
+
+#: A reader: ``(stored cache, head_size) -> (key_cache, value_cache)``, canonical
+#: ``[num_blocks, block_size, H_kv, D]`` each. The stored cache is the layer's
+#: ``[num_blocks, H_kv, block_size, 2*D]`` tensor, or ``(key_legacy, value_legacy)``.
+Reader = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+#: A writer: ``(key_cache, value_cache) -> stored cache``, the inverse of the reader.
+Writer = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+#: Registry layout name -> reader (``tests/test_layouts.py`` checks every name has one).
+READERS: dict[str, Reader] = {
+    LAYOUT_FLASH_NHD: flash_to_kv,
+    LAYOUT_FLASH_HND: flash_to_kv,  # logical indexing: the name only documents the order
+    LAYOUT_CPU: cpu_to_kv,
+    LAYOUT_CPU_AMX: cpu_amx_to_kv,
+    LAYOUT_LEGACY: lambda kv, head_size: legacy_to_kv(*kv),
+}
+
+#: Registry layout name -> writer, with the strides vLLM allocates.
+WRITERS: dict[str, Writer] = {
+    LAYOUT_FLASH_NHD: lambda k, v: kv_to_flash(k, v, LAYOUT_FLASH_NHD),
+    LAYOUT_FLASH_HND: lambda k, v: kv_to_flash(k, v, LAYOUT_FLASH_HND),
+    LAYOUT_CPU: kv_to_cpu,
+    LAYOUT_CPU_AMX: kv_to_cpu_amx,
+    LAYOUT_LEGACY: kv_to_legacy,
+}

@@ -12,23 +12,16 @@ attention
     with vLLM's ``output``. The tolerance is ``k * err(same math in the activation
     dtype) + eps`` (flash-attn ``hopper/test_flash_attn.py``), absolute and relative
     errors are both reported, per step and per head.
-write path
-    The ``key``/``value`` that ``do_kv_cache_update`` received are scattered through
-    ``slot_mapping`` (``slot = block * block_size + offset``, -1 = padding, skipped)
-    into the recorded layout; the captured blocks must hold exactly those bits.
-legacy
-    The same cache is rewritten in ``PagedAttention.split_kv_cache``'s layout (key
-    ``[nb, H_kv, D/x, bs, x]``, value ``[nb, H_kv, D, bs]``), read back through the
-    legacy reader, and attention rerun: the output is bitwise the same. The x-split is
-    storage only.
+write path, legacy
+    The recorded ``key``/``value`` scattered through ``slot_mapping`` must be exactly
+    the captured blocks' bits; the same cache rewritten in the legacy x-split layout
+    must give bitwise the same output (:mod:`reference_impl.checks`).
 
-The ``cpu`` layout name covers two packings that vLLM's CPU backend picks at runtime
-(``cpu_attn._get_attn_isa``): ``vec``/``vec16`` store each (block, kv head) region as
-K^T ``[D][bs]`` then V ``[bs][D]`` (``cpu``); ``amx`` (bf16, ``block_size % 32 == 0``,
-a CPU with AMX tiles) packs both for its tile loads (``cpu_amx``). Trace format 1 does
-not record the ISA, so :func:`resolve_layout` tells the two apart by where the recorded
-``key``/``value`` rows occur in the captured blocks, and the report says which packing
-it read.
+The pieces live in their own modules and are re-exported here: reading the blocks and
+choosing the layout (:mod:`reference_impl.resolve`: format 2 names the CPU backend's
+AMX packing ``cpu_amx``; early format-1 traces may name it ``cpu``, and
+:func:`resolve_layout` still finds it behind that name), a step's kernel inputs
+(:mod:`reference_impl.inputs`), the bar (:mod:`reference_impl.tolerances`).
 
 Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) only.
 """
@@ -37,15 +30,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from reference_impl import compiled as _compiled
-from reference_impl import kernel as _kernel
-from reference_impl import layouts as _layouts
+from reference_impl.checks import check_legacy_path, check_write_path
+from reference_impl.inputs import KERNELS, StepInputs, compact_block_table, reference_outputs, step_inputs
+from reference_impl.resolve import kv_spec, read_cache, resolve_layout
+from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, compare
 from tracer.format import (
     REPLAY,
     HeadResult,
@@ -54,7 +46,6 @@ from tracer.format import (
     ReplayReport,
     StepRecord,
     StepResult,
-    Tolerance,
     Trace,
     TraceError,
     WriteCheck,
@@ -62,12 +53,15 @@ from tracer.format import (
     step_in_range,
     write_side_file,
 )
+from tracer.format.layouts import LAYOUT_CPU_AMX
 
 __all__ = [
     "KERNELS",
     "LAYOUT_CPU_AMX",
+    "REFERENCE_DTYPE",
     "TOL_K",
     "TOL_EPS",
+    "TOLERANCE",
     "HeadResult",
     "StepResult",
     "WriteCheck",
@@ -87,336 +81,6 @@ __all__ = [
     "select_records",
     "save_report",
 ]
-
-#: Kernel name -> reference function (all share one signature, see reference_impl.kernel).
-KERNELS: dict[str, Callable[..., torch.Tensor]] = {
-    "fast": _kernel.paged_attention_fast,
-    "loop": _kernel.paged_attention_loop,
-    "partitioned": _kernel.paged_attention_partitioned,
-    "compiled": _compiled.paged_attention_compiled,
-}
-
-#: The CPU backend's ``amx`` packing (``reference_impl.layouts``). Trace format 1 writes
-#: ``cpu`` for it too; :func:`resolve_layout` finds it behind that name.
-LAYOUT_CPU_AMX = _layouts.LAYOUT_CPU_AMX
-
-#: Tolerance: ``TOL_K * err(baseline) + TOL_EPS``; the baseline is the reference's own
-#: math run in the activation dtype (bf16 for the tiny preset).
-TOL_K = 2.0
-TOL_EPS = 1e-5
-
-#: Precision of the reference the output is judged against.
-REFERENCE_DTYPE = torch.float64
-
-#: The bar, as ``replay.json`` records it.
-TOLERANCE = Tolerance(k=TOL_K, eps=TOL_EPS, reference_dtype=str(REFERENCE_DTYPE).removeprefix("torch."))
-
-
-# --------------------------------------------------------------------------- layouts
-
-
-def read_cache(kv_blocks: torch.Tensor, layout: str, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Captured ``kv_blocks`` ``[n, H_kv, bs, 2*D]`` -> canonical K, V ``[n, bs, H_kv, D]``.
-
-    ``layout`` is one of ``reference_impl.layouts.LAYOUTS`` but ``legacy``. The captured
-    tensor has the cache's logical shape, contiguous (``kv_cache.index_select``), so the
-    flash layouts read by logical indexing and the CPU ones by their row-major memory.
-    """
-    try:
-        return _layouts.read_kv(kv_blocks, layout, head_size)
-    except ValueError as exc:
-        raise TraceError(f"cannot read the KV blocks as layout {layout!r}: {exc}") from None
-
-
-def _slot_positions(slot_mapping: torch.Tensor, block_ids: torch.Tensor, block_size: int):
-    """Where each token's slot lies in the compact cache.
-
-    Returns ``(written [T] bool, index [T] long, offset [T] long, captured [T] bool)``:
-    ``written`` is ``slot != -1``; ``index`` the block's row in ``kv_blocks``;
-    ``captured`` False when that block is not among the captured ones.
-    """
-    slots = slot_mapping.long()
-    written = slots >= 0
-    block = torch.where(written, slots // block_size, 0)
-    offset = torch.where(written, slots % block_size, 0)
-    index = torch.searchsorted(block_ids, block).clamp_max(max(len(block_ids) - 1, 0))
-    captured = written & (block_ids[index] == block) if len(block_ids) else torch.zeros_like(written)
-    return written, index, offset, captured
-
-
-def _quantize_like_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """What the cache should hold for ``x``: itself, or fp8 e4m3 bytes of ``x / scale``."""
-    if cache_dtype == torch.uint8 or cache_dtype == torch.float8_e4m3fn:
-        q = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)  # saturating, as vLLM
-        return q.view(torch.uint8) if cache_dtype == torch.uint8 else q
-    return x.to(cache_dtype)
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """``[..., D]`` -> ``[..., D * element_size]`` raw bytes, for bitwise comparison."""
-    x = x.contiguous()
-    return x.view(torch.uint8).reshape(*x.shape[:-1], -1)
-
-
-#: Layout name -> writer from canonical K, V ``[n, bs, H_kv, D]`` to the cache's logical tensor.
-_WRITERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    _layouts.LAYOUT_FLASH_NHD: lambda k, v: _layouts.kv_to_flash(k, v, _layouts.LAYOUT_FLASH_NHD),
-    _layouts.LAYOUT_FLASH_HND: lambda k, v: _layouts.kv_to_flash(k, v, _layouts.LAYOUT_FLASH_HND),
-    _layouts.LAYOUT_CPU: _layouts.kv_to_cpu,
-    _layouts.LAYOUT_CPU_AMX: _layouts.kv_to_cpu_amx,
-}
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise: do the bits of ``a`` and ``b`` differ? (NaN-safe, -0 != +0.)"""
-    as_int = _INT_OF_SIZE[a.element_size()]
-    return a.view(as_int) != b.view(as_int)
-
-
-def check_write_path(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec,
-                     layout: str) -> WriteCheck | None:
-    """Scatter the recorded ``key``/``value`` through ``slot_mapping`` into the layout; compare bits.
-
-    The captured blocks are read into canonical K/V (exact), token ``t``'s K/V (in the
-    cache dtype; fp8: e4m3 bytes of ``x / scale``) is written at block
-    ``slot // block_size``, offset ``slot % block_size``, and the result is packed back
-    into ``layout`` with the layout's writer (for ``cpu``: K^T ``[D][bs]``, then V). The
-    captured blocks must equal it bit for bit; each differing element is traced back to
-    the token whose slot holds it. A slot in a block the step did not capture counts as a
-    mismatch: vLLM wrote outside the block table.
-
-    Returns:
-        The check, or None when the step has no ``key``/``value`` (a KV update the
-        tracer did not see).
-    """
-    if "key" not in tensors or "value" not in tensors:
-        return None
-    writer = _WRITERS.get(layout)
-    if writer is None:
-        raise TraceError(f"no writer for KV layout {layout!r}")
-    kv_blocks, block_ids = tensors["kv_blocks"], tensors["kv_block_ids"].long()
-    key, value = tensors["key"], tensors["value"]
-    num = min(len(record.slot_mapping), key.shape[0], value.shape[0])
-    slot_mapping = torch.tensor(record.slot_mapping[:num], dtype=torch.long)
-    written, index, offset, captured = _slot_positions(slot_mapping, block_ids, spec.block_size)
-    rows = captured.nonzero().flatten()
-    idx, off = index[rows], offset[rows]
-
-    new_k = _quantize_like_cache(key[:num][rows], kv_blocks.dtype, spec.k_scale)  # [t, H_kv, D]
-    new_v = _quantize_like_cache(value[:num][rows], kv_blocks.dtype, spec.v_scale)
-    got_k, got_v = read_cache(kv_blocks, layout, spec.head_size)
-    key_cache, value_cache = got_k.clone(), got_v.clone()
-    key_cache[idx, off] = new_k
-    value_cache[idx, off] = new_v
-    expected = writer(key_cache, value_cache)  # [n, H_kv, bs, 2*D], the layout's memory order
-
-    # Elements whose bits differ, read back through the layout to (block, offset, head, dim).
-    diff = _differs(expected, kv_blocks).to(torch.uint8)
-    diff_k, diff_v = read_cache(diff, layout, spec.head_size)
-    token_bad = (diff_k[idx, off] | diff_v[idx, off]).flatten(1).any(1).bool()
-    # Two tokens sent to one slot: the scatter keeps one of them, so also ask each
-    # token's slot for that token's own bits.
-    token_bad |= _differs(got_k[idx, off], new_k).flatten(1).any(1)
-    token_bad |= _differs(got_v[idx, off], new_v).flatten(1).any(1)
-    bad = written & ~captured
-    bad[rows[token_bad]] = True
-    mismatches = int(bad.sum())
-    return WriteCheck(step=record.step, layer=record.layer, ok=mismatches == 0, tokens=int(written.sum()),
-                      mismatches=mismatches, first_mismatch=int(bad.nonzero()[0]) if mismatches else None)
-
-
-def _row_set(x: torch.Tensor) -> set[bytes]:
-    """The distinct rows of ``x`` ``[N, ...]``, as bytes."""
-    flat = _bits(x.reshape(x.shape[0], -1)).numpy()
-    return {row.tobytes() for row in flat}
-
-
-def _layout_score(tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec, layout: str) -> float:
-    """Fraction of the recorded new tokens whose K and V rows occur anywhere in the cache read as ``layout``.
-
-    Uses neither ``slot_mapping`` nor the block table, so a bug there cannot steer
-    the choice of layout: read in the wrong packing, the cache's token rows are
-    scrambled and (almost) no recorded row occurs.
-    """
-    try:
-        key_cache, value_cache = read_cache(tensors["kv_blocks"], layout, spec.head_size)
-    except (TraceError, ValueError, RuntimeError):
-        return 0.0
-    key = _quantize_like_cache(tensors["key"], key_cache.dtype, spec.k_scale)
-    value = _quantize_like_cache(tensors["value"], value_cache.dtype, spec.v_scale)
-    if key.shape[0] == 0:
-        return 0.0
-    k_rows = _row_set(key_cache.reshape(-1, *key_cache.shape[2:]))
-    v_rows = _row_set(value_cache.reshape(-1, *value_cache.shape[2:]))
-    k_bits, v_bits = _bits(key.reshape(key.shape[0], -1)).numpy(), _bits(value.reshape(value.shape[0], -1)).numpy()
-    hits = sum(k.tobytes() in k_rows and v.tobytes() in v_rows for k, v in zip(k_bits, v_bits))
-    return hits / key.shape[0]
-
-
-def resolve_layout(trace: Trace, records: Sequence[StepRecord] | None = None) -> str:
-    """The layout to read the captured blocks in.
-
-    The manifest's ``KVCacheSpec.layout``, except that ``cpu`` is refined to
-    :data:`LAYOUT_CPU_AMX` when the first record with ``key``/``value`` shows the AMX
-    packing: more of the recorded K/V rows occur in the cache read that way than read
-    as K^T (see :func:`_layout_score`; slot_mapping is not consulted, so the write
-    check stays an independent test). Without such a record, or when neither packing
-    explains at least half of the rows, the manifest's layout stands.
-    """
-    spec = kv_spec(trace)
-    if spec.layout != _layouts.LAYOUT_CPU:
-        return spec.layout
-    for record in records if records is not None else trace.records:
-        if record.tensors is None or not {"key", "value"} <= set(record.tensor_names):
-            continue
-        tensors = trace.tensors(record)
-        scores = {c: _layout_score(tensors, spec, c) for c in (_layouts.LAYOUT_CPU, LAYOUT_CPU_AMX)}
-        best = max(scores, key=scores.get)
-        if scores[best] >= 0.5 and scores[best] > min(scores.values()):
-            return best
-        break
-    return spec.layout
-
-
-# --------------------------------------------------------------------------- attention
-
-
-def compact_block_table(
-    block_table: Sequence[Sequence[int]], block_ids: torch.Tensor
-) -> tuple[torch.Tensor, list[int]]:
-    """Map physical block ids onto rows of the captured ``kv_blocks``.
-
-    Args:
-        block_table: per request, physical block ids (trimmed rows, as ``StepRecord``).
-        block_ids: ``[n]`` sorted physical ids of the captured blocks.
-
-    Returns:
-        ``(table [B, max_blocks] long, missing)``: row indices into the compact cache,
-        rows padded with 0 (never read: past ``ceil(seq_len / block_size)``);
-        ``missing`` lists ids not captured, which map to row ``n`` (a zero block the
-        caller appends).
-    """
-    num_reqs = len(block_table)
-    width = max((len(r) for r in block_table), default=0)
-    physical = torch.zeros(num_reqs, max(width, 1), dtype=torch.long)
-    used = torch.zeros_like(physical, dtype=torch.bool)
-    for b, row in enumerate(block_table):
-        physical[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        used[b, : len(row)] = True
-    ids = block_ids.long()
-    index = torch.searchsorted(ids, physical).clamp_max(max(len(ids) - 1, 0))
-    found = (ids[index] == physical) if len(ids) else torch.zeros_like(used)
-    lost = used & ~found
-    table = torch.where(found, index, 0)
-    table[lost] = len(ids)
-    return table, sorted({int(x) for x in physical[lost].tolist()})
-
-
-def _kernel_kwargs(record: StepRecord, spec: KVCacheSpec) -> dict[str, Any]:
-    window = tuple(record.sliding_window) if record.sliding_window is not None else (-1, -1)
-    kwargs: dict[str, Any] = {
-        "scale": record.scale,
-        "causal": record.causal,
-        "window": window,
-        "softcap": record.logits_soft_cap,
-        "k_scale": spec.k_scale,
-        "v_scale": spec.v_scale,
-    }
-    # Only models that have them pass these, so kernels without the keywords still run.
-    if record.alibi_slopes is not None:
-        kwargs["alibi_slopes"] = torch.tensor(record.alibi_slopes, dtype=torch.float32)
-    if record.sinks is not None:
-        kwargs["sinks"] = torch.tensor(record.sinks, dtype=torch.float32)
-    return kwargs
-
-
-def _run_kernel(name: str, *args: torch.Tensor, block_size: int, **kwargs: Any) -> torch.Tensor:
-    fn = KERNELS[name]
-    if name == "partitioned":
-        kwargs["partition_size"] = block_size * max(1, 512 // block_size)
-    return fn(*args, **kwargs)
-
-
-def _baseline_dtype(query: torch.Tensor) -> torch.dtype:
-    """The low-precision baseline runs in the activation dtype (fp32 models: fp32)."""
-    return query.dtype if query.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
-
-
-@dataclass(frozen=True, eq=False)
-class StepInputs:
-    """One (step, layer) as the kernels take it: the compact canonical cache and remapped table.
-
-    Built by :func:`step_inputs`; :func:`replay_record` and ``reference_impl.testing``
-    feed exactly these tensors to a kernel.
-    """
-
-    query: torch.Tensor  #: ``[T, H, D]`` as captured (rows past ``num_tokens`` are padding)
-    key_cache: torch.Tensor  #: ``[n, bs, H_kv, D]``: the captured blocks (+1 zero block if ``missing``)
-    value_cache: torch.Tensor  #: ``[n, bs, H_kv, D]``
-    block_table: torch.Tensor  #: ``[B, max_blocks]`` long: rows of the compact cache, see :func:`compact_block_table`
-    seq_lens: torch.Tensor  #: ``[B]`` long
-    query_start_loc: torch.Tensor  #: ``[B + 1]`` long
-    kwargs: dict[str, Any]  #: ``scale``, ``causal``, ``window``, ``softcap``, ``k_scale``, ``v_scale``
-    num_tokens: int  #: query rows compared: ``min(query_start_loc[-1], query rows, output rows)``
-    missing: tuple[int, ...] = ()  #: physical block ids the table names that were not captured
-    note: str = ""  #: what is odd about the step (uncaptured blocks, query rows != query_start_loc[-1])
-
-    @property
-    def args(self) -> tuple[torch.Tensor, ...]:
-        """The six positional kernel arguments, in the reference signature's order."""
-        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens,
-                self.query_start_loc)
-
-
-def step_inputs(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec,
-                layout: str) -> StepInputs:
-    """Read one (step, layer)'s captured tensors into kernel inputs.
-
-    The captured ``kv_blocks`` are read from ``layout`` into canonical K/V caches and the
-    block table is remapped from physical ids onto their rows. Blocks the table names
-    but the tracer did not capture become one zero block (so a kernel fails loudly
-    instead of indexing out of range) and are listed in ``missing``.
-
-    Raises:
-        TraceError: ``query``, ``output``, ``kv_blocks`` or ``kv_block_ids`` was not captured,
-            or the blocks cannot be read as ``layout``.
-    """
-    missing_names = {"query", "output", "kv_blocks", "kv_block_ids"} - tensors.keys()
-    if missing_names:
-        raise TraceError(f"step {record.step} layer {record.layer}: tensors {sorted(missing_names)} not captured")
-    query, output = tensors["query"], tensors["output"]
-    key_cache, value_cache = read_cache(tensors["kv_blocks"], layout, spec.head_size)
-    table, missing = compact_block_table(record.block_table, tensors["kv_block_ids"].long())
-    if missing:
-        zero = torch.zeros_like(key_cache[:1])
-        key_cache, value_cache = torch.cat([key_cache, zero]), torch.cat([value_cache, zero])
-    seq_lens = torch.tensor(record.seq_lens, dtype=torch.long)
-    query_start_loc = torch.tensor(record.query_start_loc, dtype=torch.long)
-    num = min(int(query_start_loc[-1]), query.shape[0], output.shape[0])
-    notes = []
-    if missing:
-        notes.append(f"block table names blocks {missing} that were not captured")
-    if query.shape[0] != int(query_start_loc[-1]):
-        notes.append(f"query has {query.shape[0]} rows, query_start_loc ends at {int(query_start_loc[-1])}")
-    return StepInputs(query=query, key_cache=key_cache, value_cache=value_cache, block_table=table,
-                      seq_lens=seq_lens, query_start_loc=query_start_loc, kwargs=_kernel_kwargs(record, spec),
-                      num_tokens=num, missing=tuple(missing), note="; ".join(notes))
-
-
-def reference_outputs(inputs: StepInputs, kernel: str = "fast") -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference output (``REFERENCE_DTYPE``) and its low-precision baseline, ``[T, H, D]`` each.
-
-    The baseline is the same math in the activation dtype (bf16 for bf16 models); the
-    tolerance is ``TOL_K * max|baseline - reference| + TOL_EPS``.
-    """
-    block_size = inputs.key_cache.shape[1]
-    expected = _run_kernel(kernel, *inputs.args, block_size=block_size, compute_dtype=REFERENCE_DTYPE,
-                           **inputs.kwargs)
-    baseline = _run_kernel(kernel, *inputs.args, block_size=block_size,
-                           compute_dtype=_baseline_dtype(inputs.query), **inputs.kwargs)
-    return expected, baseline
 
 
 def replay_record(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec, layout: str,
@@ -439,7 +103,7 @@ def replay_record(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec:
     inputs = step_inputs(record, tensors, spec, layout)
     output, num = tensors["output"], inputs.num_tokens
     expected, baseline = reference_outputs(inputs, kernel)
-    verdict = _kernel.compare(output[:num], expected[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
+    verdict = compare(output[:num], expected[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
     # Per-head scale for the relative error: the largest |reference| value of that head.
     ref_scale = expected[:num].abs().amax(dim=(0, 2)) if num else torch.zeros(inputs.query.shape[1])
     heads = tuple(
@@ -459,44 +123,7 @@ def replay_record(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec:
     return result, legacy
 
 
-def check_legacy_path(record: StepRecord, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      table: torch.Tensor, expected: torch.Tensor, query: torch.Tensor, spec: KVCacheSpec,
-                      kernel: str = "fast") -> LegacyCheck | None:
-    """Rewrite the canonical caches in paged_attn.py's layout, read them back, rerun.
-
-    Args:
-        key_cache, value_cache: canonical ``[n, bs, H_kv, D]`` caches of the step.
-        table: the compact block table used for ``expected``.
-        expected: the direct reference output ``[T, H, D]`` (``REFERENCE_DTYPE``).
-
-    Returns:
-        The check, or None when ``D`` is not a multiple of ``x = 16 // element_size``
-        (the legacy kernels do not support such heads).
-    """
-    x = _layouts.legacy_x(key_cache.dtype)
-    if spec.head_size % x:
-        return None
-    key_legacy, value_legacy = _layouts.kv_to_legacy(key_cache, value_cache)  # [n,H,D/x,bs,x], [n,H,D,bs]
-    key_back, value_back = _layouts.legacy_to_kv(key_legacy, value_legacy)
-    out = _run_kernel(
-        kernel, query, key_back, value_back, table,
-        torch.tensor(record.seq_lens, dtype=torch.long), torch.tensor(record.query_start_loc, dtype=torch.long),
-        block_size=spec.block_size, compute_dtype=REFERENCE_DTYPE, **_kernel_kwargs(record, spec),
-    )
-    diff = float((out - expected).abs().max()) if out.numel() else 0.0
-    return LegacyCheck(step=record.step, layer=record.layer, ok=bool(torch.equal(out, expected)),
-                       max_abs=diff, x=x)
-
-
 # --------------------------------------------------------------------------- driver
-
-
-def kv_spec(trace: Trace) -> KVCacheSpec:
-    """The trace's KV-cache spec; ``TraceError`` when the manifest has none."""
-    spec = trace.run.kv_cache
-    if spec is None:
-        raise TraceError(f"{trace.path}: the manifest has no KV-cache spec; nothing to replay")
-    return spec
 
 
 def _selected(record: StepRecord, steps: tuple[int | None, int | None] | None,
@@ -600,4 +227,3 @@ def _fmt_range(steps: tuple[int | None, int | None] | None) -> str:
 def save_report(trace: Trace, report: ReplayReport) -> None:
     """Write ``replay.json`` into the trace directory (the HTML report reads it)."""
     write_side_file(trace.path, REPLAY, report.to_json())
-

@@ -32,7 +32,9 @@ table), with the canonical "NHD" cache::
     seq_lens         [B]                  int32; keys of sequence b, the new ones included
     query_start_loc  [B + 1]              int32; queries of sequence b: rows qsl[b]:qsl[b+1]
     kwargs           scale, causal, window=(left, right) (-1 = unlimited), softcap (0 = off),
-                     k_scale, v_scale (fp8 caches: uint8 e4m3 bytes times the scale)
+                     k_scale, v_scale (fp8 caches: uint8 e4m3 bytes times the scale), and
+                     alibi_slopes / sinks [H] fp32 for models that have them
+                     (reference_impl.options.KernelOptions)
     -> out           [T, H, D]            any float dtype, any device (moved to the CPU)
 
 Semantics are those of vLLM / FlashAttention (GQA ``h // (H / H_kv)``, causal mask
@@ -67,25 +69,23 @@ Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) on
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from reference_impl import kernel as _kernel
 from reference_impl import replay as _replay
-from tracer.format import CaseResult, StepRecord, TraceError, layer_index
-from tracer.format import Trace
+from reference_impl.common import FP8_STORAGE
+from reference_impl.loader import load_kernel
+from reference_impl.options import changes_nothing
+from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, compare
+from tracer.format import CaseResult, StepRecord, Trace, TraceError, layer_index
 
 __all__ = [
     "KernelCase",
@@ -103,15 +103,6 @@ __all__ = [
     "kernel_name",
     "load_kernel",
 ]
-
-#: Tolerance ``TOL_K * max|baseline - reference| + TOL_EPS``: the bar ``pagedtrace replay`` holds vLLM to.
-TOL_K = _replay.TOL_K
-TOL_EPS = _replay.TOL_EPS
-
-#: Keyword values that change nothing: a kernel that does not declare them is still called.
-_NEUTRAL: dict[str, Any] = {"causal": True, "window": (-1, -1), "softcap": 0.0, "k_scale": 1.0, "v_scale": 1.0}
-
-_FP8 = (torch.uint8, torch.float8_e4m3fn)
 
 
 # --------------------------------------------------------------------------- cases
@@ -137,7 +128,7 @@ class KernelCase:
     block_table: torch.Tensor  #: ``[B, max_blocks]`` int32, rows of the compact cache; 0 past each sequence's blocks
     seq_lens: torch.Tensor  #: ``[B]`` int32
     query_start_loc: torch.Tensor  #: ``[B + 1]`` int32
-    kwargs: Mapping[str, Any]  #: ``scale``, ``causal``, ``window``, ``softcap``, ``k_scale``, ``v_scale``
+    kwargs: Mapping[str, Any]  #: the step's keywords: ``KernelOptions.kwargs()``
     expected: torch.Tensor  #: ``[T, H, D]``: vLLM's captured output
     reference: torch.Tensor  #: ``[T, H, D]``: the reference kernel in fp64
     baseline: torch.Tensor  #: ``[T, H, D]``: the reference's math in the activation dtype
@@ -211,7 +202,7 @@ def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) ->
     reference, baseline = _replay.reference_outputs(inputs)
     num = inputs.num_tokens
     expected = tensors["output"]
-    verdict = _kernel.compare(expected[:num], reference[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
+    verdict = compare(expected[:num], reference[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
     return KernelCase(
         id=case_id(trace, record), trace=str(trace.path), step=record.step, layer=record.layer, kind=record.kind,
         layout=layout, query=inputs.query, key_cache=inputs.key_cache, value_cache=inputs.value_cache,
@@ -278,15 +269,6 @@ def kernel_name(fn: Callable[..., Any]) -> str:
     return f"{module}:{qualname}" if module and qualname else repr(fn)
 
 
-def _changes_nothing(name: str, value: Any, case: KernelCase) -> bool:
-    if name in ("k_scale", "v_scale") and case.key_cache.dtype not in _FP8:
-        return True  # vLLM ignores the scales of a non-fp8 cache; so does the reference
-    neutral = _NEUTRAL.get(name, object())
-    if isinstance(neutral, tuple):
-        return isinstance(value, (tuple, list)) and tuple(value) == neutral
-    return value == neutral
-
-
 def kernel_kwargs(fn: Callable[..., Any], case: KernelCase) -> dict[str, Any]:
     """The case's keywords that ``fn`` is called with.
 
@@ -309,7 +291,7 @@ def kernel_kwargs(fn: Callable[..., Any], case: KernelCase) -> dict[str, Any]:
     for name, value in kwargs.items():
         if name in declared:
             out[name] = value
-        elif not _changes_nothing(name, value, case):
+        elif not changes_nothing(name, value, fp8_cache=case.key_cache.dtype in FP8_STORAGE):
             raise TypeError(f"{kernel_name(fn)} takes no {name!r} argument, but {case.id} needs "
                             f"{name}={value!r}")
     return out
@@ -330,7 +312,7 @@ def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
     num = case.num_tokens
     out = out[:num]
     reference = case.reference[:num]
-    verdict = _kernel.compare(out, reference, case.baseline[:num], k=case.tol_k, eps=case.tol_eps)
+    verdict = compare(out, reference, case.baseline[:num], k=case.tol_k, eps=case.tol_eps)
     err = (out.double() - reference).abs()
     nonfinite = int((~torch.isfinite(out)).sum())
     worst = None
@@ -423,7 +405,7 @@ class KernelReport:
         """JSON-ready dict."""
         return {"ok": self.ok, "kernel": self.kernel, "trace": self.trace, "layout": self.layout,
                 "tolerance": {"k": TOL_K, "eps": TOL_EPS,
-                              "reference_dtype": str(_replay.REFERENCE_DTYPE).removeprefix("torch.")},
+                              "reference_dtype": str(REFERENCE_DTYPE).removeprefix("torch.")},
                 "seconds": round(self.seconds, 3), "cases": [r.to_json() for r in self.results]}
 
 
@@ -460,59 +442,3 @@ def check_trace(fn: Callable[..., Any], trace: Trace | str | os.PathLike[str], *
             progress(done, len(records), result)
     return KernelReport(kernel=name, trace=str(trace.path), layout=layout, results=tuple(results),
                         seconds=time.perf_counter() - started)
-
-
-# --------------------------------------------------------------------------- loading kernels
-
-
-def load_kernel(spec: str) -> Callable[..., Any]:
-    """Import a kernel named ``MODULE:FUNCTION``.
-
-    ``MODULE`` is a dotted module name on ``sys.path`` (``mypkg.attn``) or a path to a
-    ``.py`` file (``./my_attn.py``); ``FUNCTION`` may be dotted (``Class.method``).
-
-    Raises:
-        ValueError: a malformed spec, a module that cannot be imported (or fails while
-            importing), a missing attribute, something not callable. One line each.
-    """
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name.strip() or not attr.strip() or not all(p.isidentifier() for p in attr.split(".")):
-        raise ValueError(f"bad kernel {spec!r}: expected MODULE:FUNCTION, e.g. mypkg.attn:paged_attention")
-    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
-        module = _import_file(Path(module_name), spec)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            where = "" if exc.name != module_name.split(".")[0] else " (is it on PYTHONPATH?)"
-            raise ValueError(f"kernel {spec!r}: cannot import {module_name!r}: {exc}{where}") from None
-        except Exception as exc:  # the module's own code failed
-            raise ValueError(f"kernel {spec!r}: importing {module_name!r} failed: "
-                             f"{type(exc).__name__}: {exc}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"kernel {spec!r}: {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise ValueError(f"kernel {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
-    return obj
-
-
-def _import_file(path: Path, spec: str) -> Any:
-    if not path.is_file():
-        raise ValueError(f"kernel {spec!r}: no file {str(path)!r}")
-    name = f"_pagedtrace_kernel_{path.stem}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"kernel {spec!r}: cannot load {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and pickling look modules up by name
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise ValueError(f"kernel {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from None
-    return module
-

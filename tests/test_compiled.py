@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reference_impl import compiled
-from reference_impl.kernel import paged_attention_fast
-from tests.test_kernel import make_batch
+from reference_impl.fast import paged_attention_fast
+from tests.factories import make_batch
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,

@@ -78,3 +78,24 @@ def test_default_graph_mode_reports_the_steps_it_could_not_see():
 def test_prefix_blocks_are_shared_on_gpu(eager):
     first = eager.steps(kind="request")[0]
     assert len({row[:2] for row in first.block_table}) == 1  # 32 shared tokens = 2 blocks of 16
+
+
+def test_kernel_options_come_from_the_step_and_the_spec(eager):
+    """One record builds the keywords; per-head options join only when the step has them."""
+    import dataclasses
+
+    import torch
+
+    from reference_impl.options import NEUTRAL, KernelOptions, changes_nothing
+
+    record = next(r for r in eager.records if r.tensors is not None)
+    options = KernelOptions.from_step(record, eager.run.kv_cache)
+    assert options.kwargs() == {"scale": record.scale, "causal": record.causal, "window": (-1, -1),
+                                "softcap": record.logits_soft_cap, "k_scale": 1.0, "v_scale": 1.0}
+    with_heads = dataclasses.replace(record, alibi_slopes=[0.5] * 28, sinks=[1.0] * 28)
+    kwargs = KernelOptions.from_step(with_heads, eager.run.kv_cache).kwargs()
+    assert kwargs["alibi_slopes"].dtype == torch.float32 and kwargs["sinks"].shape == (28,)
+    assert set(NEUTRAL) == {"causal", "window", "softcap", "k_scale", "v_scale"}
+    assert changes_nothing("window", [-1, -1], fp8_cache=False)
+    assert changes_nothing("k_scale", 0.5, fp8_cache=False) and not changes_nothing("k_scale", 0.5, fp8_cache=True)
+    assert not changes_nothing("softcap", 30.0, fp8_cache=False)

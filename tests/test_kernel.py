@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import pytest
@@ -10,95 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reference_impl import fast as F
 from reference_impl import kernel as K
 from reference_impl import layouts as L
-
-FP8_NAN = 0x7F  # an e4m3fn NaN byte: what a stale fp8 slot may hold
-
-
-@dataclasses.dataclass
-class Batch:
-    """One varlen batch with a paged cache, and the same keys in logical order."""
-
-    query: torch.Tensor  # [T + pad, H, D]
-    key_cache: torch.Tensor  # [nb, bs, H_kv, D]; stale slots are NaN
-    value_cache: torch.Tensor
-    block_table: torch.Tensor  # [B, width]; garbage past each row's blocks
-    seq_lens: torch.Tensor  # [B]
-    query_start_loc: torch.Tensor  # [B + 1]
-    kwargs: dict  # scale, causal, window, softcap, alibi_slopes, sinks, k_scale, v_scale
-    used_blocks: list[list[int]]  # physical blocks of each sequence, in logical order
-
-    @property
-    def args(self):
-        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens,
-                self.query_start_loc)
-
-    def logical_kv(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence ``b``'s keys/values ``[s, H_kv, D]`` in position order, decoded."""
-        s = int(self.seq_lens[b])
-        blocks = torch.tensor(self.used_blocks[b], dtype=torch.long)
-        k, v = self.key_cache[blocks], self.value_cache[blocks]
-        if k.dtype == torch.uint8:
-            k = L.dequant_fp8(k, self.kwargs["k_scale"])
-            v = L.dequant_fp8(v, self.kwargs["v_scale"])
-        return k.reshape(-1, *k.shape[2:])[:s], v.reshape(-1, *v.shape[2:])[:s]
-
-    def dense(self, compute_dtype=torch.float64) -> torch.Tensor:
-        """The expected output: :func:`dense_attention` per sequence, zeros elsewhere."""
-        opts = {k: v for k, v in self.kwargs.items() if k not in ("k_scale", "v_scale")}
-        out = torch.zeros(self.query.shape, dtype=compute_dtype)
-        for b in range(self.seq_lens.shape[0]):
-            q0, q1 = int(self.query_start_loc[b]), int(self.query_start_loc[b + 1])
-            if q1 > q0:
-                k, v = self.logical_kv(b)
-                out[q0:q1] = K.dense_attention(self.query[q0:q1], k, v, compute_dtype=compute_dtype, **opts)
-        return out
-
-
-def make_batch(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_size=16, block_size=4, causal=True,
-               window=(-1, -1), softcap=0.0, alibi=False, sinks=False, fp8=False, spare_blocks=2,
-               pad_rows=1, seed=0) -> Batch:
-    gen = torch.Generator().manual_seed(seed)
-    num_heads = num_kv_heads * group
-    need = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(need) + spare_blocks
-    order = torch.randperm(num_blocks, generator=gen).tolist()  # physical blocks, shuffled
-    used, start = [], 0
-    for n in need:
-        used.append(order[start:start + n])
-        start += n
-    width = max(need) + 1
-    # Entries past a row's blocks are garbage, some out of range: never to be read.
-    table = torch.randint(-3, num_blocks + 50, (len(seq_lens), width), generator=gen, dtype=torch.int32)
-    for b, blocks in enumerate(used):
-        table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-
-    shape = (num_blocks, block_size, num_kv_heads, head_size)
-    key = torch.randn(shape, generator=gen)
-    value = torch.randn(shape, generator=gen)
-    stale = torch.ones(num_blocks, block_size, dtype=torch.bool)  # slots no sequence owns
-    for s, blocks in zip(seq_lens, used):
-        for j, block in enumerate(blocks):
-            stale[block, : min(block_size, s - j * block_size)] = False
-    if fp8:
-        key = key.to(torch.float8_e4m3fn).view(torch.uint8)
-        value = value.to(torch.float8_e4m3fn).view(torch.uint8)
-        key[stale], value[stale] = FP8_NAN, FP8_NAN
-    else:
-        key[stale], value[stale] = math.nan, math.nan
-
-    qsl = [0]
-    for q in q_lens:
-        qsl.append(qsl[-1] + q)
-    query = torch.randn(qsl[-1] + pad_rows, num_heads, head_size, generator=gen)
-    kwargs = dict(
-        scale=head_size ** -0.5, causal=causal, window=window, softcap=softcap,
-        alibi_slopes=torch.rand(num_heads, generator=gen) * 0.5 if alibi else None,
-        sinks=torch.randn(num_heads, generator=gen) * 2 if sinks else None,
-        k_scale=0.5 if fp8 else 1.0, v_scale=2.0 if fp8 else 1.0,
-    )
-    return Batch(query, key, value, table, torch.tensor(seq_lens), torch.tensor(qsl), kwargs, used)
+from reference_impl import tolerances as TOL
+from reference_impl.compiled import paged_attention_compiled
+from reference_impl.options import KernelOptions
+from tests.factories import make_batch
 
 
 @st.composite
@@ -133,7 +52,7 @@ def test_all_forms_match_dense(batch, partition_blocks, tiny_budget):
     budget = dict(max_kv_elems=kv_row * block_size, max_score_elems=1) if tiny_budget else {}
     outs = {
         "loop": K.paged_attention_loop(*batch.args, **batch.kwargs),
-        "fast": K.paged_attention_fast(*batch.args, **batch.kwargs, **budget),
+        "fast": F.paged_attention_fast(*batch.args, **batch.kwargs, **budget),
         "partitioned": K.paged_attention_partitioned(
             *batch.args, **batch.kwargs, partition_size=partition_blocks * block_size),
     }
@@ -149,7 +68,7 @@ def test_all_forms_match_dense(batch, partition_blocks, tiny_budget):
 @given(batch=batches())
 def test_fp64_forms_agree_to_rounding(batch):
     expected = batch.dense()
-    for fn in (K.paged_attention_loop, K.paged_attention_fast, K.paged_attention_partitioned):
+    for fn in (K.paged_attention_loop, F.paged_attention_fast, K.paged_attention_partitioned):
         out = fn(*batch.args, **batch.kwargs, compute_dtype=torch.float64)
         assert out.dtype == torch.float64
         torch.testing.assert_close(out, expected, atol=1e-10, rtol=0, msg=fn.__name__)
@@ -158,7 +77,7 @@ def test_fp64_forms_agree_to_rounding(batch):
 def test_decode_and_chunked_prefill_mix():
     batch = make_batch([37, 1, 50, 16, 9], [1, 1, 0, 16, 4], block_size=16, num_kv_heads=2, group=4)
     expected = batch.dense()
-    for fn in (K.paged_attention_loop, K.paged_attention_fast, K.paged_attention_partitioned):
+    for fn in (K.paged_attention_loop, F.paged_attention_fast, K.paged_attention_partitioned):
         torch.testing.assert_close(fn(*batch.args, **batch.kwargs).double(), expected, atol=ATOL_FP32, rtol=0)
 
 
@@ -170,14 +89,14 @@ def test_one_sequence_chunk_edges(q_len, window, causal):
     # query provably sees every key: the edges of that proof.
     batch = make_batch([6], [q_len], block_size=4, window=window, causal=causal, pad_rows=0)
     expected = batch.dense()
-    for fn in (K.paged_attention_loop, K.paged_attention_fast, K.paged_attention_partitioned):
+    for fn in (K.paged_attention_loop, F.paged_attention_fast, K.paged_attention_partitioned):
         torch.testing.assert_close(fn(*batch.args, **batch.kwargs).double(), expected, atol=ATOL_FP32, rtol=0,
                                    msg=fn.__name__)
 
 
 def test_fast_lse_is_the_log_denominator():
     batch = make_batch([20, 7], [3, 7], block_size=4, sinks=True, alibi=True)
-    out, lse = K.paged_attention_fast(*batch.args, **batch.kwargs, return_lse=True)
+    out, lse = F.paged_attention_fast(*batch.args, **batch.kwargs, return_lse=True)
     q0, q1 = int(batch.query_start_loc[1]), int(batch.query_start_loc[2])
     k, _ = batch.logical_kv(1)
     # Rebuild the logits of sequence 1 (prefill, causal, no window) by hand.
@@ -207,7 +126,7 @@ def test_shuffled_blocks_give_the_same_output():
     for b, blocks in enumerate(batch.used_blocks):
         table[b, : len(blocks)] = perm[torch.tensor(blocks)].to(table.dtype)
     shuffled = dataclasses.replace(batch, key_cache=key, value_cache=value, block_table=table)
-    for fn in (K.paged_attention_loop, K.paged_attention_fast, K.paged_attention_partitioned):
+    for fn in (K.paged_attention_loop, F.paged_attention_fast, K.paged_attention_partitioned):
         assert torch.equal(fn(*batch.args, **batch.kwargs), fn(*shuffled.args, **shuffled.kwargs)), fn.__name__
 
 
@@ -222,7 +141,7 @@ def test_a_wrong_block_id_changes_the_output():
     broken = dataclasses.replace(batch, block_table=wrong)
     rows0 = slice(0, 12)
     rows1 = slice(12, 15)
-    for fn in (K.paged_attention_loop, K.paged_attention_fast, K.paged_attention_partitioned):
+    for fn in (K.paged_attention_loop, F.paged_attention_fast, K.paged_attention_partitioned):
         good, bad = fn(*batch.args, **batch.kwargs), fn(*broken.args, **broken.kwargs)
         assert torch.equal(good[rows0], bad[rows0]), fn.__name__
         assert (good[rows1] - bad[rows1]).abs().max() > 1e-2, fn.__name__
@@ -237,18 +156,18 @@ def test_reading_a_cpu_cache_as_flash_gives_another_answer():
                                 value_cache=L.read_kv(cpu, L.LAYOUT_CPU, 16)[1])
     wrong_k, wrong_v = L.read_kv(cpu, L.LAYOUT_FLASH_NHD, 16)
     wrong = dataclasses.replace(batch, key_cache=wrong_k, value_cache=wrong_v)
-    expected = K.paged_attention_fast(*batch.args, **batch.kwargs)
-    assert torch.equal(K.paged_attention_fast(*right.args, **right.kwargs), expected)
-    assert (K.paged_attention_fast(*wrong.args, **wrong.kwargs) - expected).abs().max() > 1e-2
+    expected = F.paged_attention_fast(*batch.args, **batch.kwargs)
+    assert torch.equal(F.paged_attention_fast(*right.args, **right.kwargs), expected)
+    assert (F.paged_attention_fast(*wrong.args, **wrong.kwargs) - expected).abs().max() > 1e-2
 
 
 def test_fp8_bytes_are_not_integers():
     batch = make_batch([9], [9], fp8=True)
     as_ints = dataclasses.replace(
         batch, key_cache=batch.key_cache.float().nan_to_num(0.0), value_cache=batch.value_cache.float().nan_to_num(0.0))
-    good = K.paged_attention_fast(*batch.args, **batch.kwargs)
+    good = F.paged_attention_fast(*batch.args, **batch.kwargs)
     torch.testing.assert_close(good.double(), batch.dense(), atol=ATOL_FP32, rtol=0)
-    assert (K.paged_attention_fast(*as_ints.args, **as_ints.kwargs) - good).abs().max() > 1e-2
+    assert (F.paged_attention_fast(*as_ints.args, **as_ints.kwargs) - good).abs().max() > 1e-2
 
 
 # --------------------------------------------------------------------------- lse merges
@@ -304,18 +223,33 @@ def test_cascade_prefix_plus_suffix_equals_full():
     prefix_len = prefix_blocks * block_size
     assert all(s - q >= prefix_len for s, q in zip(seq_lens, q_lens))  # no query inside the prefix
     opts = dict(batch.kwargs)
-    prefix_out, prefix_lse = K.paged_attention_fast(
+    prefix_out, prefix_lse = F.paged_attention_fast(
         batch.query, batch.key_cache, batch.value_cache, batch.block_table[:, :prefix_blocks],
         torch.full((3,), prefix_len), batch.query_start_loc, **{**opts, "causal": False}, return_lse=True)
-    suffix_out, suffix_lse = K.paged_attention_fast(
+    suffix_out, suffix_lse = F.paged_attention_fast(
         batch.query, batch.key_cache, batch.value_cache, batch.block_table[:, prefix_blocks:],
         batch.seq_lens - prefix_len, batch.query_start_loc, **opts, return_lse=True)
     merged, _ = K.combine_partitions(torch.stack([prefix_out, suffix_out]), torch.stack([prefix_lse, suffix_lse]))
-    full = K.paged_attention_fast(*batch.args, **opts)
+    full = F.paged_attention_fast(*batch.args, **opts)
     torch.testing.assert_close(merged, full, atol=1e-5, rtol=0)
     torch.testing.assert_close(full.double(), batch.dense(), atol=ATOL_FP32, rtol=0)
     # The suffix alone is not the answer: the prefix carries weight.
     assert (suffix_out - full).abs().max() > 1e-2
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_every_form_declares_the_options_with_their_defaults():
+    """Each kernel's keywords are KernelOptions' fields, with the same defaults."""
+    for fn in (K.paged_attention_loop, K.paged_attention_partitioned, F.paged_attention_fast,
+               paged_attention_compiled):
+        params = inspect.signature(fn).parameters
+        for field in dataclasses.fields(KernelOptions):
+            param = params[field.name]
+            assert param.kind is inspect.Parameter.KEYWORD_ONLY, (fn.__name__, field.name)
+            default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+            assert param.default == default, (fn.__name__, field.name)
 
 
 # --------------------------------------------------------------------------- tolerances
@@ -324,31 +258,31 @@ def test_cascade_prefix_plus_suffix_equals_full():
 def test_compare_against_a_bf16_baseline():
     batch = make_batch([40, 33, 8], [1, 6, 8], block_size=16, num_kv_heads=2, group=2, pad_rows=0)
     expected = batch.dense()
-    baseline = K.paged_attention_fast(*batch.args, **batch.kwargs, compute_dtype=torch.bfloat16)
+    baseline = F.paged_attention_fast(*batch.args, **batch.kwargs, compute_dtype=torch.bfloat16)
     assert baseline.dtype == torch.bfloat16
     actual = K.paged_attention_loop(*batch.args, **batch.kwargs)
-    verdict = K.compare(actual, expected, baseline)
+    verdict = TOL.compare(actual, expected, baseline)
     base_err = float((baseline.double() - expected).abs().max())
     assert base_err > 1e-4  # bf16 math really is coarser: the tolerance means something
     assert verdict["ok"] and verdict["max_abs"] < ATOL_FP32
-    assert verdict["tol"] == pytest.approx(K.tolerance(expected, baseline))
+    assert verdict["tol"] == pytest.approx(TOL.tolerance(expected, baseline))
     assert verdict["tol"] == pytest.approx(2.0 * base_err + 1e-5)
     assert len(verdict["per_head_max_abs"]) == 4
     assert verdict["max_rel"] == pytest.approx(verdict["max_abs"] / float(expected.abs().max()))
     # An output off by 3x the baseline's own error in one head fails, and says which head.
     bad = actual.clone().double()
     bad[2, 3, 0] += 3 * base_err
-    verdict = K.compare(bad, expected, baseline)
+    verdict = TOL.compare(bad, expected, baseline)
     assert not verdict["ok"]
     assert max(range(4), key=lambda h: verdict["per_head_max_abs"][h]) == 3
 
 
 def test_compare_without_baseline_uses_eps():
     x = torch.ones(2, 3, 4)
-    assert K.compare(x, x)["ok"]
-    assert not K.compare(x + 1e-3, x)["ok"]
+    assert TOL.compare(x, x)["ok"]
+    assert not TOL.compare(x + 1e-3, x)["ok"]
     with pytest.raises(ValueError):
-        K.compare(x, x[:1])
+        TOL.compare(x, x[:1])
 
 
 @pytest.mark.parametrize("form", ["paged_attention_loop", "paged_attention_fast", "paged_attention_partitioned"])
@@ -356,4 +290,4 @@ def test_block_table_too_narrow_is_a_clear_error(form):
     cache = torch.randn(4, 16, 1, 8)
     args = (torch.randn(1, 1, 8), cache, cache, torch.tensor([[0, 1]]), torch.tensor([40]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match=r"block_table has 2 columns of 16 slots; sequence 0 has 40 keys"):
-        getattr(K, form)(*args, scale=0.1)
+        getattr(F if form == "paged_attention_fast" else K, form)(*args, scale=0.1)

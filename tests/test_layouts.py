@@ -234,6 +234,18 @@ def test_read_kv_dispatches_every_layout(layout):
         L.read_kv(stored, "paged", 32)
 
 
+def test_every_registry_layout_has_a_reader_and_a_writer():
+    """The torch side registers against the bottom layer's names, no more and no fewer."""
+    from tracer.format import REGISTRY
+
+    assert set(L.READERS) == set(REGISTRY), "readers missing or not in the registry"
+    assert set(L.WRITERS) == set(REGISTRY), "writers missing or not in the registry"
+    key, value = _random_kv((2, 32, 2, 32), torch.bfloat16, 2)
+    for name in REGISTRY:
+        read_k, read_v = L.read_kv(L.WRITERS[name](key, value), name, 32)
+        assert torch.equal(read_k, key) and torch.equal(read_v, value), name
+
+
 # --------------------------------------------------------------------------- vLLM itself
 
 #: Runs in a subprocess (vLLM's import has global side effects): writes K/V through the

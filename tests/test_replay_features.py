@@ -13,11 +13,12 @@ import json
 import pytest
 import torch
 
-from reference_impl.kernel import paged_attention_fast
+from reference_impl.fast import paged_attention_fast
 from reference_impl.layouts import kv_to_flash
 from reference_impl.replay import replay_trace
-from tracer.format import FORMAT_VERSION, KVCacheSpec, RunInfo, StepRecord
+from tracer.format import KVCacheSpec, StepRecord
 from tracer.format import MANIFEST, STEPS, Trace, TraceError, TraceWriter
+from tests.factories import run_info
 
 NB, BS, H, HKV, D = 6, 16, 4, 2, 32
 TABLE = (3, 1, 5)  # logical block j of the one request lives in physical block TABLE[j]
@@ -47,10 +48,8 @@ def _write_trace(path, *, sinks=None, alibi=None) -> None:
                        stride=tuple(kv_cache.stride()), layout="flash_nhd",
                        physical_order="(blocks, tokens, heads, K|V)", k_scale=1.0, v_scale=1.0,
                        backend_kv_cache_shape=tuple(kv_cache.shape), backend_stride_order=(0, 2, 1, 3))
-    run = RunInfo(format_version=FORMAT_VERSION, pagedtrace_version="0", vllm_version="0.26.0",
-                  torch_version=torch.__version__, platform="synthetic", device="cpu", device_name="cpu",
-                  attention_backend="synthetic", flash_attn_version=None, cudagraph_mode="NONE",
-                  enforce_eager=True, model=None, kv_cache=spec, options={}, created_at="2026-11-30T00:00:00+00:00")
+    run = run_info(pagedtrace_version="0", torch_version=torch.__version__, platform="synthetic",
+                   attention_backend="synthetic", kv_cache=spec)
     rec = StepRecord(step=1, layer="l0", kind="request", request_ids=("0-x",), num_actual_tokens=SEQ,
                      query_start_loc=(0, SEQ), seq_lens=(SEQ,), block_table=(TABLE,), slot_mapping=tuple(slots),
                      max_query_len=SEQ, max_seq_len=SEQ, causal=True, sliding_window=(-1, -1),

@@ -23,6 +23,7 @@ import torch
 from rich.console import Console
 
 from pagedtrace.cli import main
+from reference_impl import fast as F
 from reference_impl import kernel as K
 from reference_impl.replay import TOL_EPS, TOL_K
 from reference_impl.testing import (
@@ -49,26 +50,26 @@ H200 = ROOT / "tests" / "fixtures" / "h200-qwen2.5-7b-eager"
 def contiguous_blocks(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs):
     """Wrong: reads each sequence's blocks as consecutive cache rows from its first block."""
     table = (block_table[:, :1] + torch.arange(block_table.shape[1], dtype=block_table.dtype))
-    return K.paged_attention_fast(query, key_cache, value_cache, table.clamp_max(key_cache.shape[0] - 1),
+    return F.paged_attention_fast(query, key_cache, value_cache, table.clamp_max(key_cache.shape[0] - 1),
                                   seq_lens, query_start_loc, **kwargs)
 
 
 def unscaled(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale, causal=True):
     """Wrong: drops the softmax scale."""
-    return K.paged_attention_fast(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+    return F.paged_attention_fast(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                                   scale=1.0, causal=causal)
 
 
 def bf16_output(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale, causal=True):
     """Right, as a real kernel is: fp32 inside, output rounded to the activation dtype."""
-    out = K.paged_attention_fast(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+    out = F.paged_attention_fast(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
                                  scale=scale, causal=causal)
     return out.to(query.dtype)
 
 
 WRONG_KERNEL_MODULE = '''
 import torch
-from reference_impl.kernel import paged_attention_fast
+from reference_impl.fast import paged_attention_fast
 
 def attn(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs):
     table = block_table[:, :1] + torch.arange(block_table.shape[1], dtype=block_table.dtype)
@@ -129,7 +130,7 @@ def test_selection_by_steps_layers_and_kind():
         load_cases(H200 / "nope")
 
 
-@pytest.mark.parametrize("fn", [K.paged_attention_fast, K.paged_attention_loop, K.paged_attention_partitioned],
+@pytest.mark.parametrize("fn", [F.paged_attention_fast, K.paged_attention_loop, K.paged_attention_partitioned],
                          ids=["fast", "loop", "partitioned"])
 def test_reference_kernels_match_flash_attention_3_on_h200(h200_cases, fn):
     for case in h200_cases:
@@ -140,7 +141,7 @@ def test_reference_kernels_match_flash_attention_3_on_h200(h200_cases, fn):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("fn", [K.paged_attention_fast, K.paged_attention_loop], ids=["fast", "loop"])
+@pytest.mark.parametrize("fn", [F.paged_attention_fast, K.paged_attention_loop], ids=["fast", "loop"])
 def test_reference_kernels_match_the_cpu_engine(cpu_cases, fn):
     assert len(cpu_cases) >= 10
     for case in cpu_cases:
@@ -202,12 +203,12 @@ def test_dropping_the_scale_fails_every_head(h200_cases):
 
 def test_wrong_shape_nan_and_non_tensor_are_failed_results(h200_cases):
     case = h200_cases[1]
-    short = check_kernel(lambda *a, **kw: K.paged_attention_fast(*a, **kw)[:, :4], case)
+    short = check_kernel(lambda *a, **kw: F.paged_attention_fast(*a, **kw)[:, :4], case)
     assert not short.ok and "returned shape [4, 4, 128]; expected [4, 28, 128]" in short.note
     assert "returned shape" in short.message()
 
     def nan_head(*args, **kwargs):
-        out = K.paged_attention_fast(*args, **kwargs)
+        out = F.paged_attention_fast(*args, **kwargs)
         out[2, 5] = float("nan")
         return out
 
@@ -216,7 +217,7 @@ def test_wrong_shape_nan_and_non_tensor_are_failed_results(h200_cases):
     assert "128 NaN/inf value(s)" in nan.message()
     assert not check_kernel(lambda *a, **kw: None, case).ok
     # (out, lse), as the reference gives with return_lse, is judged by its first element.
-    assert check_kernel(lambda *a, **kw: K.paged_attention_fast(*a, **kw, return_lse=True), case).ok
+    assert check_kernel(lambda *a, **kw: F.paged_attention_fast(*a, **kw, return_lse=True), case).ok
 
 
 def test_keywords_a_kernel_does_not_declare(h200_cases):
@@ -240,7 +241,7 @@ def test_check_trace_turns_a_raising_kernel_into_a_failed_case():
     assert "raised RuntimeError: CUDA error: illegal memory access" in report.results[0].message()
     data = json.loads(json.dumps(report.to_json()))
     assert data["ok"] is False and data["cases"][0]["max_abs"] is None
-    assert check_trace(K.paged_attention_fast, H200).ok
+    assert check_trace(F.paged_attention_fast, H200).ok
 
 
 def test_results_serialise(h200_cases):
@@ -285,7 +286,7 @@ def test_inputs_moved_to_the_kernels_device(h200_cases, device):
 
 
 def test_load_kernel_by_module_and_by_file(wrong_kernel_dir):
-    assert load_kernel("reference_impl.kernel:paged_attention_fast") is K.paged_attention_fast
+    assert load_kernel("reference_impl.fast:paged_attention_fast") is F.paged_attention_fast
     assert load_kernel("reference_impl.testing:CaseResult.message") is CaseResult.message
     fn = load_kernel(f"{wrong_kernel_dir / 'wrongattn.py'}:attn")
     assert fn.__name__ == "attn"
@@ -327,7 +328,7 @@ def test_plugin_end_to_end_in_a_fresh_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "reference_impl.pytest_plugin", "--pyargs",
          "reference_impl.kernel_check", "--pagedtrace-trace", str(H200),
-         "--pagedtrace-kernel", "reference_impl.kernel:paged_attention_fast", "-q", "-p", "no:cacheprovider"],
+         "--pagedtrace-kernel", "reference_impl.fast:paged_attention_fast", "-q", "-p", "no:cacheprovider"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
     )
@@ -453,7 +454,7 @@ def test_cli_bad_kernel_spec_exits_2_with_one_line(h200_copy, kernel, message):
 
 
 def test_cli_user_kernel_on_a_bad_trace_or_device_flag_exits_2(h200_copy, tmp_path):
-    code, out = _cli("replay", str(tmp_path), "--kernel", "reference_impl.kernel:paged_attention_fast")
+    code, out = _cli("replay", str(tmp_path), "--kernel", "reference_impl.fast:paged_attention_fast")
     assert code == 2 and "error:" in out
     code, out = _cli("replay", str(h200_copy), "--device", "cuda")
     assert code == 2 and "--device applies to a MODULE:FUNCTION kernel only" in out

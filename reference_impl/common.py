@@ -1,0 +1,85 @@
+"""What every form of the reference kernel shares: the batch check, fp8 reads, sinks.
+
+The forms live in :mod:`reference_impl.kernel` (the block loop, the partitioned v2 form),
+:mod:`reference_impl.fast` (the vectorised gather) and :mod:`reference_impl.compiled`;
+they all take the varlen batch described in :mod:`reference_impl.kernel`.
+
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8_STORAGE", "add_sinks", "cdiv", "check_args", "read_cache_as"]
+
+#: Cache dtypes holding fp8 e4m3 values (vLLM stores ``kv_cache_dtype="fp8"`` as uint8).
+FP8_STORAGE = (torch.uint8, torch.float8_e4m3fn)
+
+
+def read_cache_as(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``cache`` as ``dtype``; fp8 bytes are decoded as e4m3 and multiplied by ``scale``."""
+    if cache.dtype in FP8_STORAGE:
+        if cache.dtype == torch.uint8:
+            cache = cache.view(torch.float8_e4m3fn)
+        return cache.to(dtype) * scale
+    return cache.to(dtype)
+
+
+def check_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    """Raise ``ValueError`` unless the six tensors form one varlen batch.
+
+    Shapes: ``query [T, H, D]``, caches ``[nb, bs, H_kv, D]`` with ``H % H_kv == 0``,
+    ``seq_lens [B]``, ``query_start_loc [B + 1]``, ``block_table [>= B, max_blocks]`` wide
+    enough for the longest sequence.
+    """
+    if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "expected query [T, H, D] and caches [nb, bs, H_kv, D]; got "
+            f"{tuple(query.shape)}, {tuple(key_cache.shape)}, {tuple(value_cache.shape)}"
+        )
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_size or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads {num_heads} x {head_size} do not fit kv heads "
+            f"{num_kv_heads} x {key_cache.shape[3]}"
+        )
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] < num_seqs:
+        raise ValueError(
+            f"seq_lens [{num_seqs}] needs query_start_loc [{num_seqs + 1}] and "
+            f"block_table [>= {num_seqs}, ...]; got {tuple(query_start_loc.shape)}, "
+            f"{tuple(block_table.shape)}"
+        )
+    if num_seqs and block_table.shape[1] * key_cache.shape[1] < int(seq_lens.max()):
+        longest = int(seq_lens.argmax())
+        raise ValueError(
+            f"block_table has {block_table.shape[1]} columns of {key_cache.shape[1]} slots; "
+            f"sequence {longest} has {int(seq_lens[longest])} keys"
+        )
+
+
+def add_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, num_queries: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the sink logits ``[H]`` to the softmax of rows ``< num_queries``.
+
+    The sink joins every query's denominator once: ``out [T, H, D]`` is scaled by the share
+    the keys keep, ``lse [T, H]`` becomes the log of the whole denominator.
+    """
+    is_query = (torch.arange(out.shape[0]) < num_queries)[:, None]
+    with_sink = torch.where(is_query, torch.logaddexp(lse, sinks.to(lse.dtype)[None, :]), lse)
+    return out * torch.exp(lse - with_sink).nan_to_num(0.0)[..., None], with_sink
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints."""
+    return -(-a // b)
