@@ -1,18 +1,18 @@
 """Annotated sources: a vLLM file's lines with the traced values beside them.
 
-``annotate`` is the public entry point; ``anchor_values`` is the per-step part a
-report calls once per step after locating the anchors once.
+``annotate_file`` builds the one annotated-file model, ``AnnotatedFile``: every
+anchor with its value at every given step. ``pagedtrace annotate`` prints one step
+of it (``annotate`` = ``annotate_file(...).at(step)``); the report's source pages
+render it whole.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from annotations.anchors import ANNOTATED_FILES, CPU_ATTN, FILE_ROLES, FLASH_ATTN, OFF_PATH_FILES, PAGED_ATTN
+from annotations.anchors import CPU_ATTN, FILE_ROLES, FLASH_ATTN, OFF_PATH_FILES, PAGED_ATTN
 from annotations.locate import LocatedSource, locate
 from annotations.values import CPU_LAYOUTS, Value, cpu_region_text, split_kv_cache_summary, value_for
 from tracer.format import RunInfo, StepRecord, TraceError
@@ -149,6 +149,129 @@ def file_notes(vllm_path: str, run: RunInfo, sha256: str | None = None) -> tuple
     return tuple(notes)
 
 
+#: A note's text when its value needs a step and the trace recorded none.
+NO_STEP = "(no step recorded)"
+
+
+@dataclass(frozen=True)
+class AnchorValues:
+    """One anchor of an annotated file, with its value at every step of the file's records."""
+
+    key: str  #: anchor key
+    label: str  #: short name of the value
+    line: int | None  #: 1-based line, None when the anchor was not found
+    reason: str  #: why the anchor was not found ("" when it was)
+    tour: str  #: reading-checklist stop
+    static: Value | None  #: the value when it is the same at every step (depends on the run only)
+    per_step: tuple[Value | None, ...]  #: otherwise one per record of the file (None: nothing to show)
+
+    @property
+    def found(self) -> bool:
+        """Whether the anchor resolved to a line."""
+        return self.line is not None
+
+    def at(self, index: int | None) -> Value | None:
+        """The value at the file's ``index``-th record (None: no record, or nothing to show)."""
+        if self.static is not None:
+            return self.static
+        return None if index is None or not self.per_step else self.per_step[index]
+
+
+@dataclass(frozen=True)
+class AnnotatedFile:
+    """A source file with every anchor's values at every given step: the one annotated-file model.
+
+    ``pagedtrace annotate`` prints one step of it (:meth:`at`); the report's source
+    page shows the default step and embeds every other one for its step selector.
+    """
+
+    vllm_path: str
+    text: str  #: the annotated source
+    records: tuple[StepRecord, ...]  #: the steps the values are for, in order
+    anchors: tuple[AnchorValues, ...]  #: every anchor of the file in table order, missing ones included
+    file_notes: tuple[str, ...]  #: file-level remarks (its role, off-path, source mismatch)
+    sha256: str  #: of the annotated text
+
+    @property
+    def found(self) -> tuple[AnchorValues, ...]:
+        """Anchors that resolved to a line, in table order."""
+        return tuple(a for a in self.anchors if a.found)
+
+    @property
+    def missing(self) -> tuple[AnchorValues, ...]:
+        """Anchors that were not found, in table order."""
+        return tuple(a for a in self.anchors if not a.found)
+
+    def by_line(self) -> dict[int, tuple[AnchorValues, ...]]:
+        """1-based line -> the found anchors on it, in table order."""
+        out: dict[int, list[AnchorValues]] = {}
+        for anchor in self.anchors:
+            if anchor.line is not None:
+                out.setdefault(anchor.line, []).append(anchor)
+        return {line: tuple(anchors) for line, anchors in out.items()}
+
+    def at(self, index: int | None) -> AnnotatedSource:
+        """The file annotated with the ``index``-th record's values (None: no record)."""
+        record = self.records[index] if index is not None else None
+        notes = []
+        for a in self.anchors:
+            if not a.found:
+                notes.append(Note(a.key, a.label, None, a.reason, "missing", a.tour))
+                continue
+            value = a.at(index)
+            text, kind = (value.text, value.kind) if value is not None else (NO_STEP, "static")
+            notes.append(Note(a.key, a.label, a.line, text, kind, a.tour))
+        by_line: dict[int, list[Note]] = {}
+        for note in notes:
+            if note.line is not None:
+                by_line.setdefault(note.line, []).append(note)
+        lines = tuple(
+            AnnotatedLine(i, text, tuple(by_line.get(i, ()))) for i, text in enumerate(self.text.splitlines(), 1)
+        )
+        return AnnotatedSource(
+            vllm_path=self.vllm_path,
+            step=record.step if record else None,
+            layer=record.layer if record else None,
+            lines=lines,
+            notes=tuple(notes),
+            file_notes=self.file_notes,
+            sha256=self.sha256,
+        )
+
+
+def annotate_file(
+    source_text: str,
+    vllm_path: str,
+    run: RunInfo,
+    records: Sequence[StepRecord] = (),
+    located: LocatedSource | None = None,
+) -> AnnotatedFile:
+    """Annotate ``source_text`` (the file ``vllm_path``) with ``run``'s values at each of ``records``.
+
+    ``located`` is ``locate(source_text, vllm_path)`` when the caller has it already.
+    Anchors that cannot be found are kept with their reason, never an exception.
+    """
+    located = located if located is not None else locate(source_text, vllm_path)
+    anchors = []
+    for key, loc in located.locations.items():
+        anchor = loc.anchor
+        if not loc.found:
+            anchors.append(AnchorValues(key, anchor.label, None, loc.reason, anchor.tour, None, ()))
+            continue
+        static = value_for(anchor, None, run)
+        # A value that needs no step is the same at every step (value functions ignore the record then).
+        per_step = () if static is not None else tuple(value_for(anchor, r, run) for r in records)
+        anchors.append(AnchorValues(key, anchor.label, loc.line, "", anchor.tour, static, per_step))
+    return AnnotatedFile(
+        vllm_path=vllm_path,
+        text=source_text,
+        records=tuple(records),
+        anchors=tuple(anchors),
+        file_notes=file_notes(vllm_path, run, located.sha256),
+        sha256=located.sha256,
+    )
+
+
 def annotate(
     source_text: str,
     vllm_path: str,
@@ -158,36 +281,10 @@ def annotate(
 ) -> AnnotatedSource:
     """Annotate ``source_text`` (the file ``vllm_path``) with ``trace``'s values at ``step``.
 
+    ``annotate_file`` for the one record ``select_record`` picks, at that record.
     Anchors that cannot be found give ``missing`` notes, never an exception; a
     step or layer the trace lacks raises ``StepNotFound``.
     """
     record = select_record(trace, step, layer)
-    located = locate(source_text, vllm_path)
-    values = anchor_values(located, record, trace.run)
-    notes = []
-    by_line: dict[int, list[Note]] = {}
-    for key, loc in located.locations.items():
-        anchor = loc.anchor
-        if not loc.found:
-            notes.append(Note(key, anchor.label, None, loc.reason, "missing", anchor.tour))
-            continue
-        value = values.get(key)
-        if value is None:
-            note = Note(key, anchor.label, loc.line, "(no step recorded)", "static", anchor.tour)
-        else:
-            note = Note(key, anchor.label, loc.line, value.text, value.kind, anchor.tour)
-        notes.append(note)
-        by_line.setdefault(note.line, []).append(note)
-    lines = tuple(
-        AnnotatedLine(i, text, tuple(by_line.get(i, ())))
-        for i, text in enumerate(source_text.splitlines(), 1)
-    )
-    return AnnotatedSource(
-        vllm_path=vllm_path,
-        step=record.step if record else None,
-        layer=record.layer if record else None,
-        lines=lines,
-        notes=tuple(notes),
-        file_notes=file_notes(vllm_path, trace.run, located.sha256),
-        sha256=located.sha256,
-    )
+    records = (record,) if record is not None else ()
+    return annotate_file(source_text, vllm_path, trace.run, records).at(0 if records else None)

@@ -3,7 +3,9 @@
 jinja2 only (plus ``annotations`` and ``tracer.format`` (the bottom layer));
 a report builds from a trace directory alone.
 
-* ``viewmodel``: pure functions from a ``Trace`` to page dataclasses;
+* ``viewmodel``: ``build_site(trace) -> Site``, assembled from one module per page family
+  (``common``, ``verdicts``, ``layout_view``, ``index_page``, ``source_pages``,
+  ``step_pages``, ``tour``): pure functions from a ``Trace`` to page dataclasses;
 * ``build``: ``build_report(trace_dir, out_dir) -> Path`` renders and writes them.
 """
 

@@ -1,7 +1,7 @@
 """Render a trace's view models to a static site and write it.
 
 ``build_report(trace_dir, out_dir)`` reads the trace directory alone (no vLLM,
-no torch, no GPU), builds the view models (``reports.viewmodel``), renders them
+no torch, no GPU), builds the view models (``reports.viewmodel`` and its page modules), renders them
 with jinja2 (autoescaping on, undefined names an error) and writes::
 
     index.html              run summary, KV-cache layout, steps, gaps, files
@@ -22,7 +22,10 @@ from pathlib import Path
 
 import jinja2
 
-from reports.viewmodel import INDEX_PAGE, MAX_REQUEST_PAGES, TOUR_PAGE, Site, build_site, load_reference_source
+from reports.common import INDEX_PAGE, TOUR_PAGE
+from reports.step_pages import MAX_REQUEST_PAGES
+from reports.tour import load_reference_source
+from reports.viewmodel import Site, build_site
 from tracer.format import Trace
 
 #: Files copied verbatim from ``reports/templates`` into every report.
@@ -59,10 +62,10 @@ def render_site(site: Site, env: jinja2.Environment | None = None) -> dict[str, 
     tour = env.get_template("tour.html")
     nav = site.tour.nav
     pages = {INDEX_PAGE: index.render(page=site.index, nav=nav), TOUR_PAGE: tour.render(page=site.tour, nav=nav)}
-    for name, page in site.sources.items():
-        pages[name] = source.render(page=page, nav=page.nav)
-    for name, page in site.steps.items():
-        pages[name] = step.render(page=page, nav=page.nav)
+    for name, source_page in site.sources.items():
+        pages[name] = source.render(page=source_page, nav=source_page.nav)
+    for name, step_page in site.steps.items():
+        pages[name] = step.render(page=step_page, nav=step_page.nav)
     return pages
 
 

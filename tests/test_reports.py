@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -17,26 +18,42 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import SITE, needs_vllm_sources
 from rich.console import Console
 
 import pagedtrace.cli as cli
 from annotations import locate
-from tracer.format import read_sources, store_sources
 from annotations.anchors import FLASH_ATTN, PAGED_ATTN
 from reports.build import render_site, write_report
-from reports.viewmodel import (
-    MAX_OTHER_PAGES,
-    build_site,
-    layout_view,
-    pages_for_steps,
-    read_replay,
-    slot_runs,
-    step_view,
+from reports.layout_view import layout_view
+from reports.step_pages import MAX_OTHER_PAGES, pages_for_steps, slot_runs, step_view
+from reports.tour import BLOCK_MARK, SOFTMAX_MARK, load_reference_source, tour_marks
+from reports.verdicts import layer_verdicts, read_replay
+from reports.viewmodel import build_site
+from tests.factories import (
+    SITE,
+    kv_spec,
+    model_summary,
+    needs_vllm_sources,
+    run_info,
+    scheduled_step,
+    with_sources_of,
 )
-from tracer.format import FORMAT_VERSION, GapRecord, KVCacheSpec, ModelSummary, RunInfo, StepRecord
-from tracer.format import Trace, TraceWriter
+from tracer.format import (
+    GapRecord,
+    HeadResult,
+    KVCacheSpec,
+    ReplayReport,
+    RunInfo,
+    StepRecord,
+    StepResult,
+    Tolerance,
+    Trace,
+    TraceWriter,
+    WriteCheck,
+    read_sources,
+    store_sources,
+)
+from tracer.format.layouts import element_offset
 
 GOLD = Path(__file__).parent / "gold" / "report"
 UPDATE_GOLD = os.environ.get("PAGEDTRACE_UPDATE_GOLD") == "1"
@@ -44,19 +61,19 @@ L0, L1 = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
 BS = 16
 
 #: Stands in for reference_impl.kernel.paged_attention_loop in gold pages, so they do not
-#: change whenever the reference kernel does.
+#: change whenever the reference kernel does. Its ``# tour:`` marks are the kernel's kind.
 FAKE_REFERENCE = (
     "reference_impl.kernel.paged_attention_loop",
     "def paged_attention_loop(query, key_cache, value_cache, block_table, seq_lens):\n"
     "    # Online-softmax state per (head, query)\n"
-    "    for j in range(num_blocks):\n"
-    "        physical = int(block_table[b, j])\n"
-    "        m_new = torch.maximum(m, s.amax(dim=-1))\n"
-    "        rescale = torch.exp(m - m_new)\n"
-    "        l = rescale * l + p.sum(dim=-1)\n"
-    "        acc = rescale[..., None] * acc + p @ v\n"
-    "        m = m_new\n"
-    "    return acc / l\n",
+    "    for j in range(num_blocks):  # tour: block\n"
+    "        physical = int(block_table[b, j])  # tour: block\n"
+    "        m_new = torch.maximum(m, s.amax(dim=-1))  # tour: softmax\n"
+    "        rescale = torch.exp(m - m_new)  # tour: softmax\n"
+    "        l = rescale * l + p.sum(dim=-1)  # tour: softmax\n"
+    "        acc = rescale[..., None] * acc + p @ v  # tour: softmax\n"
+    "        m = m_new  #tour:softmax\n"
+    "    return acc / l  # tour: softmax\n",
     120,
 )
 
@@ -65,28 +82,16 @@ FAKE_REFERENCE = (
 
 def _spec(layout: str) -> KVCacheSpec:
     flash = layout != "cpu"
-    return KVCacheSpec(
-        layer_names=(L0, L1), num_blocks=64, block_size=BS, num_kv_heads=2, head_size=64, dtype="bfloat16",
-        cache_dtype="auto", element_size=2, shape=(64, 2, BS, 128),
+    return kv_spec(
+        layer_names=(L0, L1), block_size=BS, shape=(64, 2, BS, 128),
         stride=(4096, 128, 256, 1) if flash else (4096, 2048, 128, 1), layout=layout,
         physical_order="(blocks, tokens, heads, K|V)" if flash else "(blocks, heads, [K^T (D, tokens) | V (tokens, D)])",
-        k_scale=1.0, v_scale=1.0, backend_kv_cache_shape=(64, 2, BS, 128),
-        backend_stride_order=(0, 2, 1, 3) if flash else None,
+        backend_kv_cache_shape=(64, 2, BS, 128), backend_stride_order=(0, 2, 1, 3) if flash else None,
     )
 
 
 def _record(step: int, kind: str, ids, query_lens, seq_lens, table, layer: str) -> StepRecord:
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    slots = [row[p // BS] * BS + p % BS for row, q, s in zip(table, query_lens, seq_lens) for p in range(s - q, s)]
-    return StepRecord(
-        step=step, layer=layer, kind=kind, request_ids=tuple(ids), num_actual_tokens=qsl[-1],
-        query_start_loc=tuple(qsl), seq_lens=tuple(seq_lens), block_table=tuple(tuple(r) for r in table),
-        slot_mapping=tuple(slots), max_query_len=max(query_lens), max_seq_len=max(seq_lens), causal=True,
-        sliding_window=(-1, -1), logits_soft_cap=0.0, scale=0.125, use_cascade=False, num_splits=0,
-        num_heads=4, num_kv_heads=2, head_size=64,
-    )
+    return scheduled_step(step, query_lens, seq_lens, table, block_size=BS, request_ids=ids, kind=kind, layer=layer)
 
 
 #: The synthetic run: (step, kind, request ids, query lens, seq lens, block table), or a gap.
@@ -103,19 +108,26 @@ def _steps(req_a: str, req_b: str):
     ]
 
 
-REPLAY = {
-    "ok": False,
-    "steps": [
-        {"step": 2, "layer": L0, "ok": True, "max_abs": 0.0012, "max_rel": 0.003, "tol": 0.01,
-         "heads": [{"head": h, "ok": True, "max_abs": 0.001} for h in range(4)]},
-        {"step": 3, "layer": L0, "ok": False, "max_abs": 0.5, "max_rel": 0.2, "tol": 0.01,
-         "heads": [{"head": h, "ok": h != 2, "max_abs": 0.5 if h == 2 else 0.001} for h in range(4)]},
-        "not an entry",
-        {"layer": L0},
-    ],
-    "write_path": [{"step": 2, "layer": L0, "ok": True}],
-    "legacy": [],
-}
+def step_result(step: int, layer: str, ok: bool, max_abs: float = 0.0, max_rel: float = 0.0, tol: float = 0.01,
+                heads: tuple[HeadResult, ...] = ()) -> StepResult:
+    """A replay result of one (step, layer), with the numbers the pages show."""
+    return StepResult(step=step, layer=layer, kind="request", num_reqs=1, num_tokens=1, ok=ok, max_abs=max_abs,
+                      max_rel=max_rel, tol=tol, baseline_max_abs=tol / 2, heads=heads)
+
+
+def replay_json(*steps: StepResult, write_path: tuple[WriteCheck, ...] = ()) -> dict:
+    """``replay.json`` as ``pagedtrace replay`` writes it."""
+    return ReplayReport(kernel="fast", layout="flash_nhd", recorded_layout="flash_nhd",
+                        tolerance=Tolerance(2.0, 1e-5, "float64"), steps=steps, write_path=write_path,
+                        legacy=()).to_json()
+
+
+REPLAY = replay_json(
+    step_result(2, L0, True, 0.0012, 0.003, heads=tuple(HeadResult(h, True, 0.001, 0.002) for h in range(4))),
+    step_result(3, L0, False, 0.5, 0.2,
+                heads=tuple(HeadResult(h, h != 2, 0.5 if h == 2 else 0.001, 0.1) for h in range(4))),
+    write_path=(WriteCheck(step=2, layer=L0, ok=True, tokens=20, mismatches=0),),
+)
 
 
 def make_trace(path: Path, *, model: str = "tiny-llama", req_a: str = "req-a", req_b: str = "req-b",
@@ -124,19 +136,11 @@ def make_trace(path: Path, *, model: str = "tiny-llama", req_a: str = "req-a", r
     flash = layout != "cpu"
     with TraceWriter(path) as writer:
         stored = store_sources(writer, read_sources(SITE)) if sources and SITE else {}
-        writer.write_manifest(RunInfo(
-            format_version=FORMAT_VERSION, pagedtrace_version="0.1.0", vllm_version="0.26.0",
-            torch_version="2.11.0", platform="CudaPlatform" if flash else "CpuPlatform",
-            device="cuda" if flash else "cpu", device_name="NVIDIA H200" if flash else "test CPU",
-            attention_backend="vllm.v1.attention.backends.flash_attn.FlashAttentionImpl" if flash
-            else "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl",
-            flash_attn_version=3 if flash else None, cudagraph_mode="PIECEWISE" if flash else "NONE",
-            enforce_eager=not flash,
-            model=ModelSummary(name=model, architectures=("LlamaForCausalLM",), num_layers=2,
-                               num_attention_heads=4, num_kv_heads=2, head_size=64, hidden_size=256,
-                               vocab_size=1000, dtype="bfloat16", max_model_len=256, weights="dummy"),
-            kv_cache=_spec(layout), options={"layers": "all"}, created_at="2026-11-30T08:00:00+00:00",
-            sources=stored,
+        writer.write_manifest(run_info(
+            "flash" if flash else "cpu", device_name="NVIDIA H200" if flash else "test CPU",
+            cudagraph_mode="PIECEWISE" if flash else "NONE", enforce_eager=not flash,
+            model=model_summary(name=model, num_layers=2), kv_cache=_spec(layout), options={"layers": "all"},
+            created_at="2026-11-30T08:00:00+00:00", sources=stored,
         ))
         for item in _steps(req_a, req_b):
             if isinstance(item, GapRecord):
@@ -257,12 +261,8 @@ def test_step_view_marks_shared_and_written_blocks(trace_dir):
 
 def layout_run(layout: str = "flash_nhd") -> RunInfo:
     """A RunInfo carrying only what step views and layouts read."""
-    return RunInfo(
-        format_version=FORMAT_VERSION, pagedtrace_version="0.1.0", vllm_version="0.26.0", torch_version="2.11.0",
-        platform="CudaPlatform", device="cuda", device_name="test", attention_backend="FlashAttentionImpl",
-        flash_attn_version=3, cudagraph_mode="NONE", enforce_eager=True, model=None, kv_cache=_spec(layout),
-        options={}, created_at="2026-11-30T08:00:00+00:00",
-    )
+    return run_info("flash", device_name="test", attention_backend="FlashAttentionImpl", kv_cache=_spec(layout),
+                    created_at="2026-11-30T08:00:00+00:00")
 
 
 def test_layout_drawings():
@@ -282,7 +282,6 @@ def _amx_spec() -> KVCacheSpec:
 
 
 def test_amx_layout_drawing_matches_the_reference_layout():
-    layouts = pytest.importorskip("reference_impl.layouts")
     view = layout_view(_amx_spec())
     labels = [b.label for b in view.boxes]
     assert {"K t0–15", "K t16–31", "V d0–15", "V d48–63", "head 0", "head 1"} <= set(labels)
@@ -290,23 +289,52 @@ def test_amx_layout_drawing_matches_the_reference_layout():
     k_zoom = labels[labels.index("in a tile") + 1:][:6]
     assert k_zoom == ["t0 d0", "t0 d1", "t1 d0", "t1 d1", "t2 d0", "t2 d1"]
     assert "t0 d2" in labels and "t0 d15" in labels and "t2 d0" in labels
-    # The printed formulas agree with reference_impl.layouts.element_offset.
+    # The printed formulas agree with the layout registry's element_offset.
     k_formula, v_formula = view.formulas
     assert k_formula.endswith("b*8192 + h*4096 + (t//16)*1024 + (d//2)*32 + (t%16)*2 + d%2")
     assert v_formula.endswith("b*8192 + h*4096 + 2048 + (d//16)*512 + (t//2)*32 + (d%16)*2 + t%2")
     for b, h, t, d in [(0, 0, 0, 1), (3, 1, 17, 5), (63, 1, 31, 63)]:
         for which, formula in (("k", k_formula), ("v", v_formula)):
             expr = formula.split(" at element ")[1]
-            assert eval(expr, {"b": b, "h": h, "t": t, "d": d}) == layouts.element_offset(
+            assert eval(expr, {"b": b, "h": h, "t": t, "d": d}) == element_offset(
                 "cpu_amx", b, h, t, d, which, num_kv_heads=2, block_size=32, head_size=64)
     assert "no drawing" not in view.caption
 
 
-def test_amx_layout_without_torch_falls_back_to_text(monkeypatch):
+def test_amx_layout_is_drawn_without_torch(monkeypatch):
+    # The drawing reads the bottom layer's registry, never the torch-backed reference_impl.layouts.
     monkeypatch.setitem(sys.modules, "reference_impl.layouts", None)  # import raises ImportError
     view = layout_view(_amx_spec())
-    assert view.boxes == () and len(view.formulas) == 2
-    assert "[bs/16][D/2][16][2] = [2][32][16][2]" in view.caption and "could not be imported" in view.caption
+    assert view.boxes and len(view.formulas) == 2
+    assert "[bs/16][D/2][16][2]" in view.caption and "no drawing" not in view.caption
+
+
+def test_a_layout_the_registry_cannot_describe_is_not_drawn():
+    # The AMX packing tiles by 16: a block size of 8 has no drawing, and the caption says why.
+    spec = replace(_amx_spec(), block_size=8, shape=(64, 2, 8, 128), stride=(2048, 1024, 128, 1))
+    view = layout_view(spec)
+    assert view.boxes == () and "no drawing" in view.caption and "multiples of 16" in view.caption
+
+
+def test_tour_highlights_the_lines_the_reference_kernel_marks(trace_dir):
+    # The kernel carries the marks (``# tour: block`` / ``# tour: softmax``): losing them loses the tour.
+    reference = load_reference_source()
+    assert reference is not None
+    _, text, start = reference
+    shown, marks = tour_marks(text)
+    assert {BLOCK_MARK, SOFTMAX_MARK} <= set(marks)
+    assert "tour:" not in shown and len(shown.splitlines()) == len(text.splitlines())
+    site = build_site(Trace.open(trace_dir), reference=reference)
+    stops = {stop.id: stop.code for stop in site.tour.stops}
+    for stop, mark in (("blocks", BLOCK_MARK), ("softmax", SOFTMAX_MARK)):
+        wanted = {start + i for i, m in enumerate(marks) if m == mark}
+        assert {line.number for line in stops[stop].lines if line.marked} == wanted, stop
+    # The block loop is what the block stop marks, the running max/sum/accumulator what the softmax stop marks.
+    marked = {m: [line.strip() for line, lm in zip(shown.splitlines(), marks, strict=True) if lm == m]
+              for m in (BLOCK_MARK, SOFTMAX_MARK)}
+    assert marked[BLOCK_MARK][0].startswith("for j in range") and any("block_table[" in x for x in marked[BLOCK_MARK])
+    assert [x.split(" =")[0] for x in marked[SOFTMAX_MARK][:5]] == ["m_new", "rescale", "l", "acc", "m"]
+    assert "acc / l" in marked[SOFTMAX_MARK][-1]
 
 
 def test_replay_verdicts_are_read_tolerantly(trace_dir, tmp_path):
@@ -320,6 +348,23 @@ def test_replay_verdicts_are_read_tolerantly(trace_dir, tmp_path):
     assert unreadable.overall.text == "not replayed" and "not valid JSON" in unreadable.problem
     missing = make_trace(tmp_path / "missing", replay=None, sources=False)
     assert read_replay(Trace.open(missing)).overall.text == "not replayed"
+    # A file that parses but is not a replay report: not replayed, and the reason is listed.
+    malformed = make_trace(tmp_path / "malformed", replay={**REPLAY, "steps": [*REPLAY["steps"], "not an entry"]},
+                           sources=False)
+    unusable = read_replay(Trace.open(malformed))
+    assert unusable.overall.text == "not replayed" and "step result: expected an object" in unusable.problem
+    # Non-finite errors come back as NaN and are shown as a dash.
+    nan = make_trace(tmp_path / "nan", replay=replay_json(step_result(2, L0, False, math.nan, math.inf)),
+                     sources=False)
+    (verdict,) = layer_verdicts(read_replay(Trace.open(nan)).by_step[2])
+    assert (verdict.max_abs, verdict.max_rel, verdict.verdict.text) == ("–", "–", "FAIL (max abs –)")
+
+
+def test_version_1_replay_json_still_reads(trace_dir, tmp_path):
+    v1 = {k: v for k, v in REPLAY.items() if k != "format_version"} | {"skipped": 2}
+    trace = make_trace(tmp_path / "v1", replay=v1, sources=False)
+    replay = read_replay(Trace.open(trace))
+    assert replay.present and replay.overall.status == "fail" and sorted(replay.by_step) == [2, 3]
 
 
 @needs_vllm_sources
@@ -380,7 +425,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 def test_report_of_the_h200_fa3_traces(variant, tmp_path):
     """Real vLLM 0.26 FA3 traces from an H200: key facts reach the pages."""
     out = tmp_path / "site"
-    write_report(FIXTURES / f"h200-qwen2.5-7b-{variant}", out)
+    trace = FIXTURES / f"h200-qwen2.5-7b-{variant}"
+    if variant != "eager":  # only the eager fixture stores the (shared) vLLM sources
+        trace = with_sources_of(trace, FIXTURES / "h200-qwen2.5-7b-eager", tmp_path / "trace")
+    write_report(trace, out)
     index = (out / "index.html").read_text()
     assert "<th>FlashAttention version</th><td>FA3</td>" in index
     assert "<th>strides</th><td>(16384, 256, 1024, 1)</td>" in index
@@ -413,6 +461,19 @@ def test_report_of_the_h200_fa3_traces(variant, tmp_path):
         assert "Not replayable: no tensors were captured" in step
 
 
+@pytest.mark.parametrize("variant", ["piecewise", "default"])
+def test_report_of_an_h200_trace_without_sources(variant, tmp_path):
+    """The piecewise and default fixtures store no sources: the report says so, page by page."""
+    trace = Trace.open(FIXTURES / f"h200-qwen2.5-7b-{variant}")
+    assert trace.run.sources == {}
+    out = tmp_path / "site"
+    write_report(trace.path, out)
+    index = (out / "index.html").read_text()
+    assert "<th>FlashAttention version</th><td>FA3</td>" in index
+    assert index.count("source not stored in this trace") == 5
+    assert not list(out.glob("src-*.html"))
+
+
 # --- escaping ---------------------------------------------------------------------------
 
 EVIL_MODEL = '<script>alert("model")</script>'
@@ -422,7 +483,7 @@ EVIL_LAYER = "layers.0</script><script>alert(1)</script>"
 
 def test_untrusted_strings_render_inert(tmp_path):
     trace = make_trace(tmp_path / "trace", model=EVIL_MODEL, req_a=EVIL_REQUEST, layers=(EVIL_LAYER,),
-                       replay={"steps": [{"step": 3, "layer": EVIL_LAYER, "ok": True, "heads": []}]})
+                       replay=replay_json(step_result(3, EVIL_LAYER, True)))
     site = tmp_path / "site"
     write_report(trace, site)
     pages = {p.name: p.read_text() for p in site.glob("*.html")}

@@ -45,7 +45,7 @@ def visible_lines(annotated: AnnotatedSource, context: int | None) -> list[int |
     count = len(annotated.lines)
     if context is None:
         return list(range(1, count + 1))
-    keep = set()
+    keep: set[int] = set()
     for line in annotated.lines:
         if line.notes:
             keep.update(range(max(1, line.number - context), min(count, line.number + context) + 1))

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from pagedtrace.cli import UsageError
 from reports.build import BuildResult, write_report
-from reports.viewmodel import MAX_REQUEST_PAGES
+from reports.step_pages import MAX_REQUEST_PAGES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

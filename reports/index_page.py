@@ -1,0 +1,243 @@
+"""``index.html``: run summary, KV-cache layout, the step list with its gaps, the annotated files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from annotations.anchors import ANNOTATED_FILES
+from annotations.annotate import file_role, on_path
+from annotations.locate import LocatedSource
+from annotations.values import fmt_list
+from reports.common import Row, Verdict, first_records, range_text, source_file_page, step_page
+from reports.layout_view import LayoutView, layout_view
+from reports.verdicts import ReplayData, step_verdict
+from tracer.format import GapRecord, KVCacheSpec, Trace
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One line of the index's step list: a recorded step or a gap."""
+
+    step: int
+    kind: str
+    recorded: bool  #: False for a gap
+    layers: int
+    num_reqs: str
+    num_tokens: str
+    query_lens: str
+    seq_lens: str
+    verdict: Verdict
+    href: str  #: step page, "" when none was written
+    label: str  #: the step number, or a range of consecutive gap steps with one reason (``1–12``)
+    count: int = 1  #: steps the row stands for (more than 1 for a run of gaps)
+
+
+@dataclass(frozen=True)
+class GapGroup:
+    """Steps the tracer knows about but could not record, for one (kind, reason)."""
+
+    kind: str
+    reason: str
+    steps: str  #: e.g. ``1–12`` or ``14, 16, 18``
+    count: int
+    tokens: str  #: tokens per step: ``4 each`` or a list
+    explanation: str  #: why such steps are not recorded, and what would record them ("" if unknown)
+
+
+#: Why gaps happen, by the part of the tracer's reason before the first colon.
+GAP_EXPLANATIONS = {
+    "profile run": "vLLM's memory-profiling and warm-up forward passes run without attention metadata "
+    "(attn_metadata is None): attention is skipped, so there is nothing to record.",
+    "cuda-graph-capture": "vLLM was capturing CUDA graphs for these batch sizes, and the hook copies nothing "
+    "while a graph is being captured. These are warm-up batches, not requests.",
+    "cuda-graph-replay": "These steps replayed a captured CUDA graph (cudagraph_mode {mode}): attention ran "
+    "inside the graph on the device and the Python forward() that the hook wraps was never called. {advice}",
+}
+#: How to record replayed steps: with FULL graphs, PIECEWISE keeps attention outside the graphs.
+_REPLAY_ADVICE = {
+    True: "Trace with enforce_eager, or cudagraph_mode PIECEWISE (attention stays outside the graphs), to record them.",
+    False: "Trace with enforce_eager to record them.",
+}
+
+
+def steps_text(steps: list[int]) -> str:
+    """Sorted step numbers as ranges: ``[1, 2, 3, 5]`` -> ``1–3, 5``."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ", ".join(range_text(run[0], run[-1]) for run in runs)
+
+
+def _tokens_text(tokens: list[int]) -> str:
+    if not any(tokens):
+        return "–"
+    if len(set(tokens)) == 1:
+        return f"{tokens[0]}" if len(tokens) == 1 else f"{tokens[0]} each"
+    return fmt_list(tokens, 16)
+
+
+def gap_groups(gaps: list[GapRecord], cudagraph_mode: str) -> tuple[GapGroup, ...]:
+    """Group ``GapRecord``s by (kind, reason), in order of their first step."""
+    groups: dict[tuple[str, str], list[GapRecord]] = {}
+    for g in sorted(gaps, key=lambda g: g.step):
+        groups.setdefault((g.kind, g.reason), []).append(g)
+    out = []
+    for (kind, reason), members in groups.items():
+        explanation = GAP_EXPLANATIONS.get(reason.split(":", 1)[0].strip(), "")
+        out.append(GapGroup(kind, reason, steps_text([g.step for g in members]), len(members),
+                            _tokens_text([g.num_tokens for g in members]),
+                            explanation.format(mode=cudagraph_mode, advice=_REPLAY_ADVICE["FULL" in cudagraph_mode])))
+    return tuple(out)
+
+
+def _gap_rows(gaps: list[GapRecord]) -> list[StepRow]:
+    """Step-list rows for gaps: consecutive steps with the same kind and reason share one row."""
+    runs: list[list[GapRecord]] = []
+    for g in sorted(gaps, key=lambda g: g.step):
+        last = runs[-1][-1] if runs else None
+        if last is not None and g.step == last.step + 1 and (g.kind, g.reason) == (last.kind, last.reason):
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    rows = []
+    for run in runs:
+        tokens = [g.num_tokens for g in run]
+        text = "" if not any(tokens) else _tokens_text(tokens)
+        label = range_text(run[0].step, run[-1].step)
+        rows.append(StepRow(run[0].step, run[0].kind, False, 0, "", text, "", "",
+                            Verdict("none", run[0].reason), "", label, len(run)))
+    return rows
+
+
+@dataclass(frozen=True)
+class FileRow:
+    """One annotated source file on the index."""
+
+    name: str
+    vllm_path: str
+    href: str  #: "" when the trace has no copy of the file
+    role: str
+    anchors: str  #: ``12 of 12 anchors found``
+    on_path: bool  #: the traced run executed this file's code
+
+
+@dataclass(frozen=True)
+class IndexPage:
+    """``index.html``."""
+
+    title: str
+    summary: tuple[Row, ...]
+    kv_rows: tuple[Row, ...]
+    layout: LayoutView | None
+    steps: tuple[StepRow, ...]
+    gaps: tuple[GapGroup, ...]
+    files: tuple[FileRow, ...]
+    replay: Verdict
+    replay_checks: tuple[Row, ...]
+    problems: tuple[str, ...]
+    pages_note: str  #: how many steps got a page, when not all did
+
+
+def _short(values: tuple[int, ...], limit: int = 6) -> str:
+    return fmt_list(values, limit)
+
+
+def _summary_rows(trace: Trace) -> tuple[Row, ...]:
+    run = trace.run
+    rows = []
+    if run.model is not None:
+        m = run.model
+        rows += [
+            Row("model", m.name),
+            Row("architecture", ", ".join(m.architectures)),
+            Row("shape", f"{m.num_layers} layers, {m.num_attention_heads} query heads, {m.num_kv_heads} KV heads, "
+                         f"head size {m.head_size}, hidden {m.hidden_size}"),
+            Row("dtype / weights", f"{m.dtype} / {m.weights}"),
+        ]
+    rows += [
+        Row("device", f"{run.device} ({run.device_name}), {run.platform}"),
+        Row("attention backend", run.attention_backend),
+        Row("FlashAttention version", f"FA{run.flash_attn_version}" if run.flash_attn_version else "none"),
+        Row("CUDA graphs", f"{run.cudagraph_mode}{' (enforce_eager)' if run.enforce_eager else ''}"),
+        Row("versions", f"vLLM {run.vllm_version}, torch {run.torch_version}, pagedtrace {run.pagedtrace_version}"),
+        Row("layers traced",
+            f"{len(trace.layers)}: {', '.join(trace.layers[:4])}{' …' if len(trace.layers) > 4 else ''}"),
+        Row("recorded", f"{len({r.step for r in trace.records})} steps ({len(trace.records)} layer records), "
+                        f"{len(trace.gaps)} gap{'' if len(trace.gaps) == 1 else 's'}"),
+        Row("created", run.created_at),
+        Row("trace", str(trace.path)),
+    ]
+    return tuple(rows)
+
+
+def _kv_rows(spec: KVCacheSpec | None) -> tuple[Row, ...]:
+    if spec is None:
+        return (Row("KV cache", "not in this trace"),)
+    order = tuple(spec.backend_stride_order) if spec.backend_stride_order else "none"
+    return (
+        Row("blocks x block size", f"{spec.num_blocks} x {spec.block_size} tokens"),
+        Row("KV heads x head size", f"{spec.num_kv_heads} x {spec.head_size}"),
+        Row("dtype", f"{spec.dtype} ({spec.element_size} B), kv_cache_dtype={spec.cache_dtype}, "
+                     f"k_scale={spec.k_scale:g}, v_scale={spec.v_scale:g}"),
+        Row("logical shape", str(tuple(spec.shape))),
+        Row("strides", str(tuple(spec.stride))),
+        Row("backend shape / stride order", f"{tuple(spec.backend_kv_cache_shape)} / {order}"),
+        Row("layout", f"{spec.layout}: {spec.physical_order}"),
+        Row("layers sharing it", str(len(spec.layer_names))),
+    )
+
+
+def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSource], paged: set[int]) -> IndexPage:
+    """The index: run summary, KV layout, steps and gaps, files."""
+    run = trace.run
+    layers_per_step: dict[int, int] = {}
+    for r in trace.records:
+        layers_per_step[r.step] = layers_per_step.get(r.step, 0) + 1
+    rows: list[StepRow] = []
+    for r in first_records(trace):
+        rows.append(StepRow(
+            r.step, r.kind, True, layers_per_step[r.step], str(r.num_reqs), str(r.num_actual_tokens),
+            _short(r.query_lens), _short(r.seq_lens), step_verdict(replay.by_step.get(r.step, [])),
+            step_page(r.step) if r.step in paged else "", str(r.step),
+        ))
+    rows += _gap_rows(list(trace.gaps))
+    rows.sort(key=lambda row: (row.step, not row.recorded))
+    files = []
+    for path in ANNOTATED_FILES:
+        loc = located.get(path)
+        name = path.rsplit("/", 1)[-1]
+        if loc is None:
+            files.append(FileRow(name, path, "", file_role(path, run), "source not stored in this trace",
+                                 on_path(path, run)))
+            continue
+        found = sum(1 for x in loc.locations.values() if x.found)
+        files.append(FileRow(name, path, source_file_page(path), file_role(path, run),
+                             f"{found} of {len(loc.locations)} anchors found", on_path(path, run)))
+    model = run.model.name if run.model else "unknown model"
+    overall = replay.overall
+    if not replay.present and not any(r.tensors for r in trace.records):
+        overall = Verdict("none", "not replayable: recorded without tensors")
+    problems = tuple(trace.problems) + ((replay.problem,) if replay.problem else ())
+    recorded = [row for row in rows if row.recorded]
+    without = sum(1 for row in recorded if not row.href)
+    pages_note = (
+        f"{len(recorded) - without} of {len(recorded)} recorded steps have a page (the first request steps, "
+        "and the first few others); `pagedtrace report --max-step-pages N` writes more." if without else ""
+    )
+    return IndexPage(
+        title=f"pagedtrace: {model}",
+        summary=_summary_rows(trace),
+        kv_rows=_kv_rows(run.kv_cache),
+        layout=layout_view(run.kv_cache),
+        steps=tuple(rows),
+        gaps=gap_groups(list(trace.gaps), run.cudagraph_mode),
+        files=tuple(files),
+        replay=overall,
+        replay_checks=replay.checks,
+        problems=problems,
+        pages_note=pages_note,
+    )
+

@@ -1,0 +1,242 @@
+"""``step-NNNNNN.html``: one step's block table, its slot mapping drawn onto blocks, its replay verdicts.
+
+Also which steps get a page at all (``pages_for_steps``): a long trace lists every
+step on the index but writes pages for the first few hundred only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from annotations.values import fmt_list
+from reports.common import Link, Row, Verdict, range_text, step_page
+from reports.verdicts import LayerVerdict, layer_verdicts, step_verdict
+from tracer.format import RunInfo, StepRecord, StepResult
+
+#: Step pages are written for the first this-many request steps (``build_report``'s
+#: ``max_step_pages`` overrides it) ...
+MAX_REQUEST_PAGES = 200
+#: ... plus the first this-many steps of other kinds (profile, warm-up).
+MAX_OTHER_PAGES = 3
+#: A block-table row shows at most this many cells: the first ``HEAD_CELLS`` and the last ones.
+MAX_ROW_CELLS = 24
+HEAD_CELLS = 16
+#: A step page shows at most this many block-table rows.
+MAX_ROWS = 64
+#: Token -> slot runs listed on a step page.
+MAX_SLOT_RUNS = 200
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Part of a block's slot bar: ``old`` (cached before this step) or ``new`` (written now)."""
+
+    cls: str
+    left: str  #: percent, formatted
+    width: str
+
+
+@dataclass(frozen=True)
+class BlockCell:
+    """One block-table cell: a physical block in one request's row."""
+
+    block: int  #: physical block id
+    index: int  #: logical block index in the row
+    shared: bool  #: the block id appears in more than one row
+    written: bool  #: slot_mapping writes into it this step
+    full: bool  #: every slot was cached before this step (drawn without segments)
+    segments: tuple[Segment, ...]  #: the slot bar, when not ``full``
+    title: str
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    """One block-table row."""
+
+    index: int
+    request_id: str
+    query_len: int
+    seq_len: int
+    context_len: int
+    cells: tuple[BlockCell, ...]
+    elided: int  #: cells left out in the middle of a long row
+    elide_at: int  #: index into ``cells`` where the elision mark goes (-1: none)
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """Consecutive tokens of one request written to consecutive offsets of one block."""
+
+    request: int
+    tokens: str  #: token indices in the step, e.g. ``0–15``
+    positions: str
+    block: int
+    offsets: str
+    slots: str
+
+
+@dataclass(frozen=True)
+class StepPage:
+    """``step-NNNNNN.html``."""
+
+    step: int
+    kind: str
+    layers: tuple[str, ...]
+    facts: tuple[Row, ...]
+    block_size: int
+    rows: tuple[RequestRow, ...]
+    rows_elided: int  #: block-table rows left out (more than ``MAX_ROWS``)
+    shared_blocks: str
+    written_blocks: str
+    slot_runs: tuple[SlotRun, ...]
+    slot_runs_elided: int
+    padding: int  #: slot_mapping entries equal to -1
+    verdict: Verdict
+    verdicts: tuple[LayerVerdict, ...]
+    prev: Link | None
+    next: Link | None
+    nav: tuple[Link, ...]
+    replay_note: str = ""  #: shown when there are no verdicts: how to get them, or why there can be none
+
+
+def pages_for_steps(records: list[StepRecord], max_request_pages: int = MAX_REQUEST_PAGES) -> set[int]:
+    """Which steps get a page: the first ``max_request_pages`` request steps, then the first few others."""
+    steps: dict[int, str] = {}
+    for r in records:
+        steps.setdefault(r.step, r.kind)
+    request = [s for s, k in sorted(steps.items()) if k == "request"][:max_request_pages]
+    other = [s for s, k in sorted(steps.items()) if k != "request"][:MAX_OTHER_PAGES]
+    return set(request) | set(other)
+
+
+def slot_runs(record: StepRecord, block_size: int) -> list[SlotRun]:
+    """Group the step's slot_mapping into runs of one request, one block, consecutive offsets."""
+    runs: list[SlotRun] = []
+    positions = [p for s, q in zip(record.seq_lens, record.query_lens, strict=False) for p in range(s - q, s)]
+    owner = [i for i, q in enumerate(record.query_lens) for _ in range(q)]
+    current: list[int] = []
+
+    def flush() -> None:
+        if not current:
+            return
+        first, last = current[0], current[-1]
+        slot0, slot1 = record.slot_mapping[first], record.slot_mapping[last]
+        runs.append(SlotRun(
+            owner[first] if first < len(owner) else -1,
+            range_text(first, last),
+            range_text(positions[first], positions[last]) if last < len(positions) else "?",
+            slot0 // block_size,
+            range_text(slot0 % block_size, slot1 % block_size),
+            range_text(slot0, slot1),
+        ))
+        current.clear()
+
+    for t, slot in enumerate(record.slot_mapping):
+        if slot < 0:
+            flush()
+            continue
+        if current:
+            prev = record.slot_mapping[current[-1]]
+            same_owner = t < len(owner) and current[-1] < len(owner) and owner[t] == owner[current[-1]]
+            if not (slot == prev + 1 and slot // block_size == prev // block_size and same_owner):
+                flush()
+        current.append(t)
+    flush()
+    return runs
+
+
+def _pct(value: float) -> str:
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+_NO_OFFSETS: frozenset[int] = frozenset()
+
+
+def _cell(block: int, index: int, bs: int, shared: bool, written_offsets: dict[int, set[int]],
+          seq_len: int, context_len: int) -> BlockCell:
+    before = max(0, min(bs, context_len - index * bs))
+    after = max(0, min(bs, seq_len - index * bs))
+    offsets = written_offsets.get(block, _NO_OFFSETS)
+    title = f"block {block}, logical block {index}: {after}/{bs} slots used"
+    if shared:
+        title += ", shared"
+    if offsets:
+        title += f", offsets {range_text(min(offsets), max(offsets))} written this step"
+    if before == bs and not offsets:
+        return BlockCell(block, index, shared, False, True, (), title)
+    segments = []
+    if before:
+        segments.append(Segment("old", "0", _pct(100 * before / bs)))
+    if after > before:
+        segments.append(Segment("new", _pct(100 * before / bs), _pct(100 * (after - before) / bs)))
+    return BlockCell(block, index, shared, bool(offsets), False, tuple(segments), title)
+
+
+def step_view(record: StepRecord, run: RunInfo, layers: tuple[str, ...], replay_entries: Sequence[StepResult],
+              prev: int | None, next_: int | None, nav: tuple[Link, ...]) -> StepPage:
+    """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay verdicts."""
+    bs = run.kv_cache.block_size if run.kv_cache else 16
+    shared_set = record.shared_blocks
+    written_offsets: dict[int, set[int]] = {}
+    for slot in record.slot_mapping:
+        if slot >= 0:
+            written_offsets.setdefault(slot // bs, set()).add(slot % bs)
+    rows = []
+    query_lens = record.query_lens
+    for i, table_row in enumerate(record.block_table[:MAX_ROWS]):
+        seq_len = record.seq_lens[i] if i < len(record.seq_lens) else 0
+        q = query_lens[i] if i < len(query_lens) else 0
+        indices = list(range(len(table_row)))
+        elided = 0
+        if len(indices) > MAX_ROW_CELLS:
+            tail = MAX_ROW_CELLS - HEAD_CELLS
+            elided = len(indices) - MAX_ROW_CELLS
+            indices = indices[:HEAD_CELLS] + indices[-tail:]
+        cells = tuple(
+            _cell(table_row[j], j, bs, table_row[j] in shared_set, written_offsets, seq_len, seq_len - q)
+            for j in indices
+        )
+        rid = record.request_ids[i] if i < len(record.request_ids) else ""
+        rows.append(RequestRow(i, rid, q, seq_len, seq_len - q, cells, elided, HEAD_CELLS if elided else -1))
+    runs = slot_runs(record, bs)
+    shared = sorted(shared_set)
+    facts = (
+        Row("layer records", f"{len(layers)}: {', '.join(layers[:3])}{' …' if len(layers) > 3 else ''}"),
+        Row("num_actual_tokens", str(record.num_actual_tokens)),
+        Row("query_start_loc", fmt_list(record.query_start_loc, 32)),
+        Row("query lens", fmt_list(record.query_lens, 32)),
+        Row("seq_lens", fmt_list(record.seq_lens, 32)),
+        Row("max_query_len / max_seq_len", f"{record.max_query_len} / {record.max_seq_len}"),
+        Row("causal / window / softcap", f"{record.causal} / {record.sliding_window} / {record.logits_soft_cap:g}"),
+        Row("scale / num_splits / cascade", f"{record.scale:.6g} / {record.num_splits} / {record.use_cascade}"),
+        Row("heads (q / kv) x D", f"{record.num_heads} / {record.num_kv_heads} x {record.head_size}"),
+    )
+    return StepPage(
+        step=record.step,
+        kind=record.kind,
+        layers=layers,
+        facts=facts,
+        block_size=bs,
+        rows=tuple(rows),
+        rows_elided=max(0, len(record.block_table) - MAX_ROWS),
+        shared_blocks=fmt_list(shared, 32) if shared else "none",
+        written_blocks=fmt_list(sorted(written_offsets), 32) if written_offsets else "none",
+        slot_runs=tuple(runs[:MAX_SLOT_RUNS]),
+        slot_runs_elided=max(0, len(runs) - MAX_SLOT_RUNS),
+        padding=sum(1 for s in record.slot_mapping if s < 0),
+        verdict=step_verdict(replay_entries),
+        verdicts=layer_verdicts(replay_entries),
+        prev=Link(step_page(prev), f"step {prev}") if prev is not None else None,
+        next=Link(step_page(next_), f"step {next_}") if next_ is not None else None,
+        nav=nav,
+        replay_note=NO_TENSORS_NOTE if record.tensors is None else "Not replayed (run pagedtrace replay on the trace).",
+    )
+
+
+#: Why a step without captured tensors has no replay verdict.
+NO_TENSORS_NOTE = (
+    "Not replayable: no tensors were captured for this step (the trace was recorded with --no-tensors, "
+    "or the tensor budget was used up), so there is nothing to recompute attention from."
+)
+
