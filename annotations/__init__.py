@@ -6,16 +6,21 @@ neither vLLM nor torch is imported, so annotations work from a trace directory a
 * ``anchors``: the anchor table (file, qualified name, expression, value to show);
 * ``locate``: libcst visitors that find each anchor's line;
 * ``values``: pure functions from a ``StepRecord`` + ``RunInfo`` to value texts;
-* ``annotate``: ``annotate(...) -> AnnotatedSource``.
+* ``annotate``: the one annotated-file model, ``annotate_file(...) -> AnnotatedFile`` (every
+  anchor's value per step), which ``pagedtrace annotate`` (``annotate(...)``, one step) and the
+  report's source pages both read.
 """
 
 from annotations.anchors import ANCHORS, ANNOTATED_FILES, Anchor, anchors_for, resolve_file
 from annotations.annotate import (
+    AnchorValues,
+    AnnotatedFile,
     AnnotatedLine,
     AnnotatedSource,
     Note,
     StepNotFound,
     annotate,
+    annotate_file,
     anchor_values,
     select_record,
 )
@@ -26,6 +31,8 @@ __all__ = [
     "ANCHORS",
     "ANNOTATED_FILES",
     "Anchor",
+    "AnchorValues",
+    "AnnotatedFile",
     "AnnotatedLine",
     "AnnotatedSource",
     "LocatedSource",
@@ -36,6 +43,7 @@ __all__ = [
     "anchor_values",
     "anchors_for",
     "annotate",
+    "annotate_file",
     "locate",
     "resolve_file",
     "select_record",
