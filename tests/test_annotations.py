@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SITE, needs_vllm_sources
+from tests.factories import SITE, kv_spec, model_summary, needs_vllm_sources, run_info, scheduled_step
 
 from annotations import (
     ANCHORS,
@@ -26,11 +26,9 @@ from annotations.locate import keep_definitions, normalize_code
 from annotations.annotate import file_role
 from annotations.values import COMPUTED_PREFIX, VALUE_FUNCTIONS, TensorView, ViewError, split_kv_cache_summary, value_for
 from tracer.format import (
-    FORMAT_VERSION,
     SOURCE_FILES,
     GapRecord,
     KVCacheSpec,
-    ModelSummary,
     RunInfo,
     StepRecord,
 )
@@ -49,50 +47,24 @@ def vllm_source(path: str) -> str:
 def make_spec(layout: str = "flash_nhd", dtype: str = "bfloat16", element_size: int = 2) -> KVCacheSpec:
     """64 blocks x 16 tokens x 2 KV heads x D=64, as FlashAttention (NHD) or the CPU backend allocates it."""
     stride = {"flash_nhd": (4096, 128, 256, 1), "flash_hnd": (4096, 2048, 128, 1), "cpu": (4096, 2048, 128, 1)}[layout]
-    return KVCacheSpec(
-        layer_names=(LAYER,), num_blocks=64, block_size=16, num_kv_heads=2, head_size=64, dtype=dtype,
-        cache_dtype="auto" if element_size == 2 else "fp8_e4m3", element_size=element_size,
-        shape=(64, 2, 16, 128), stride=stride, layout=layout,
+    return kv_spec(
+        dtype=dtype, cache_dtype="auto" if element_size == 2 else "fp8_e4m3", element_size=element_size,
+        stride=stride, layout=layout,
         physical_order="(blocks, tokens, heads, K|V)" if layout == "flash_nhd" else "(blocks, heads, K^T|V)",
-        k_scale=1.0, v_scale=1.0, backend_kv_cache_shape=(64, 2, 16, 128),
         backend_stride_order=(0, 2, 1, 3) if layout == "flash_nhd" else None,
     )
 
 
 def make_run(spec: KVCacheSpec | None = None, sources: dict | None = None, backend: str = "flash") -> RunInfo:
     """A RunInfo for a small FlashAttention (or CPU) run."""
-    flash = backend == "flash"
-    return RunInfo(
-        format_version=FORMAT_VERSION, pagedtrace_version="0.1.0", vllm_version="0.26.0", torch_version="2.11.0",
-        platform="CudaPlatform" if flash else "CpuPlatform", device="cuda" if flash else "cpu",
-        device_name="NVIDIA H200" if flash else "cpu",
-        attention_backend="vllm.v1.attention.backends.flash_attn.FlashAttentionImpl" if flash
-        else "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl",
-        flash_attn_version=3 if flash else None, cudagraph_mode="NONE", enforce_eager=True,
-        model=ModelSummary(name="tiny", architectures=("LlamaForCausalLM",), num_layers=1, num_attention_heads=4,
-                           num_kv_heads=2, head_size=64, hidden_size=256, vocab_size=1000, dtype="bfloat16",
-                           max_model_len=256, weights="dummy"),
-        kv_cache=spec if spec is not None else make_spec(), options={}, created_at="2026-01-01T00:00:00Z",
-        sources=sources or {},
-    )
+    return run_info(backend, model=model_summary(), kv_cache=spec if spec is not None else make_spec(),
+                    created_at="2026-01-01T00:00:00Z", sources=sources or {})
 
 
 def make_record(step: int, query_lens, seq_lens, block_table, kind: str = "request", layer: str = LAYER,
                 block_size: int = 16) -> StepRecord:
     """A record whose slot_mapping follows the block table, as vLLM computes it."""
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    slots = [row[p // block_size] * block_size + p % block_size
-             for row, q, s in zip(block_table, query_lens, seq_lens) for p in range(s - q, s)]
-    return StepRecord(
-        step=step, layer=layer, kind=kind, request_ids=tuple(f"req-{i}" for i in range(len(seq_lens))),
-        num_actual_tokens=qsl[-1], query_start_loc=tuple(qsl), seq_lens=tuple(seq_lens),
-        block_table=tuple(tuple(r) for r in block_table), slot_mapping=tuple(slots),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), causal=True, sliding_window=(-1, -1),
-        logits_soft_cap=0.0, scale=0.125, use_cascade=False, num_splits=0, num_heads=4, num_kv_heads=2,
-        head_size=64,
-    )
+    return scheduled_step(step, query_lens, seq_lens, block_table, block_size=block_size, kind=kind, layer=layer)
 
 
 @pytest.fixture
@@ -449,3 +421,25 @@ def test_annotations_and_reports_import_neither_torch_nor_vllm():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_cpu_packing_texts_agree_with_the_layout_registry():
+    from annotations.anchors import FILE_ROLES
+    from annotations.values import CPU_LAYOUTS, cpu_region_text
+    from tracer.format import REGISTRY, describe_layout
+    from tracer.format.layouts import LAYOUT_CPU, LAYOUT_CPU_AMX
+
+    assert CPU_LAYOUTS == (LAYOUT_CPU, LAYOUT_CPU_AMX)
+    assert cpu_region_text("flash_nhd", 32, 64) is None
+    symbols = {LAYOUT_CPU: ("[D][bs]", "[bs][D]"), LAYOUT_CPU_AMX: ("[bs/16][D/2][16][2]", "[D/16][bs/2][16][2]")}
+    for layout, (k_symbol, v_symbol) in symbols.items():
+        assert k_symbol in REGISTRY[layout].description and v_symbol in REGISTRY[layout].description
+        assert k_symbol in FILE_ROLES[CPU_ATTN] and v_symbol in FILE_ROLES[CPU_ATTN]
+        for bs, d in ((32, 64), (64, 128), (16, 32)):
+            text = cpu_region_text(layout, bs, d)
+            desc = describe_layout(layout, 1, 1, bs, d)
+            # K and V of one (block, head) region: the views' shapes without the block and head dims.
+            k_dims, v_dims = ("".join(f"[{n}]" for n in view.shape[2:]) for view in (desc.k_view, desc.v_view))
+            assert text.index(k_dims) < text.index("in the key half") < text.index(v_dims), (layout, text)
+            if layout == LAYOUT_CPU_AMX:
+                assert f"{k_symbol} = {k_dims}" in text and f"{v_symbol} = {v_dims}" in text

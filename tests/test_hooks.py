@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tracer import hooks
-from tracer.hooks import Tracer, TracerOptions, parse_layers, parse_steps
+from tracer.format import parse_layers, parse_steps
+from tracer.hooks import Tracer, TracerOptions
 
 cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
 runner = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
@@ -76,3 +81,33 @@ def test_option_parsing():
         parse_steps("a:b")
     with pytest.raises(ValueError, match="bad layer selection"):
         parse_layers(",")
+
+
+def test_the_tracer_modules_import_neither_torch_nor_vllm():
+    # vLLM is imported inside the hook installer and the manifest builder, torch at flush time.
+    code = (
+        "import sys, tracer, tracer.hooks, tracer.manifest, tracer.options, tracer.pending, tracer.plugin, "
+        "tracer.session\n"
+        "bad = sorted(m for m in ('torch', 'vllm') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_kv_layout_of_names_a_stored_registry_layout():
+    import torch
+
+    from tracer.format import STORED_LAYOUTS
+    from tracer.manifest import kv_layout_of
+
+    class CPUAttentionBackendImpl:  # named as vLLM's: the layout follows the kernel's ISA
+        def __init__(self, isa):
+            self.isa = isa
+
+    hnd = torch.empty(4, 2, 16, 8)  # (blocks, heads, tokens, 2D) allocated in that order
+    nhd = torch.empty(4, 16, 2, 8).transpose(1, 2)
+    names = [kv_layout_of(object(), nhd), kv_layout_of(object(), hnd),
+             kv_layout_of(CPUAttentionBackendImpl("vec"), hnd), kv_layout_of(CPUAttentionBackendImpl("amx"), hnd)]
+    assert names == ["flash_nhd", "flash_hnd", "cpu", "cpu_amx"]
+    assert set(names) <= set(STORED_LAYOUTS)
+    assert hooks.TracerOptions is TracerOptions  # still importable where the rooms import it

@@ -1,32 +1,27 @@
-"""Trace format v1: write, read, and fail clearly on damaged traces."""
+"""The trace store: write, read (format 2, and format 1 still), and fail clearly on damaged traces."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from tracer.format import FORMAT_VERSION, GapRecord, RunInfo, StepRecord, TraceError
+from tracer.format import STEP_KINDS, STORED_LAYOUTS, GapRecord, RunInfo, StepRecord, TraceError
 from tracer.format import MANIFEST, STEPS, Trace, TraceWriter
+from tests.factories import kv_spec, run_info, step_record
 
 
 def _run() -> RunInfo:
-    return RunInfo(format_version=FORMAT_VERSION, pagedtrace_version="0", vllm_version="0.26.0",
-                   torch_version="2.11.0", platform="CpuPlatform", device="cpu", device_name="cpu",
-                   attention_backend="x.Impl", flash_attn_version=None, cudagraph_mode="NONE",
-                   enforce_eager=True, model=None, kv_cache=None, options={"layers": "first"},
-                   created_at="2026-11-30T00:00:00+00:00")
+    return run_info(pagedtrace_version="0", attention_backend="x.Impl", options={"layers": "first"})
 
 
 def _step(step: int) -> StepRecord:
-    return StepRecord(step=step, layer="model.layers.0.self_attn.attn", kind="request", request_ids=("0-a",),
-                      num_actual_tokens=1, query_start_loc=(0, 1), seq_lens=(17,), block_table=((3, 5),),
-                      slot_mapping=(5 * 16 + 0,), max_query_len=1, max_seq_len=17, causal=True,
-                      sliding_window=(-1, -1), logits_soft_cap=0.0, scale=0.125, use_cascade=False,
-                      num_splits=0, num_heads=2, num_kv_heads=1, head_size=4)
+    return step_record(step=step, num_heads=2, num_kv_heads=1, head_size=4)
 
 
 @pytest.fixture
@@ -116,3 +111,63 @@ def test_shared_blocks_are_blocks_in_more_than_one_row():
                               query_start_loc=(0, 1, 2, 3))
     assert rec.shared_blocks == {1, 2}
     assert dataclasses.replace(rec, block_table=((3, 3), (4,))).shared_blocks == frozenset()
+
+
+# -- format 2: checked vocabularies, required fields; format 1 still reads -----------------
+
+#: A format-1 trace written by hand, as pagedtrace 0.1 wrote them: two request steps whose
+#: lines lack ``alibi_slopes`` and ``sinks``, no tensors. Frozen: never regenerate it.
+V1_MINIMAL = Path(__file__).parent / "fixtures" / "v1-minimal"
+
+
+def _rewrite_lines(trace_dir, change) -> None:
+    lines = [json.loads(line) for line in (trace_dir / STEPS).read_text().splitlines()]
+    (trace_dir / STEPS).write_text("".join(json.dumps(change(d)) + "\n" for d in lines))
+
+
+def _without_alibi_and_sinks(line: dict) -> dict:
+    return {k: v for k, v in line.items() if k not in ("alibi_slopes", "sinks")}
+
+
+def test_a_kind_outside_step_kinds_is_an_error(trace_dir):
+    _rewrite_lines(trace_dir, lambda d: {**d, "kind": "decode"} if d["type"] == "step" else d)
+    kinds = ", ".join(STEP_KINDS)
+    with pytest.raises(TraceError, match=re.escape(f"line 2: StepRecord: kind 'decode' is not one of {kinds}")):
+        Trace.open(trace_dir)
+
+
+@pytest.mark.parametrize("layout", ["flash_xyz", "legacy"])  # unknown; registered but never stored
+def test_a_layout_outside_the_registry_is_an_error(tmp_path, layout):
+    with TraceWriter(tmp_path / "t") as w:
+        w.write_manifest(run_info(kv_cache=kv_spec(layout=layout)))
+    layouts = ", ".join(STORED_LAYOUTS)
+    with pytest.raises(TraceError, match=re.escape(f"KVCacheSpec: layout '{layout}' is not one of {layouts}")):
+        Trace.open(tmp_path / "t")
+
+
+def test_a_v1_trace_whose_lines_lack_alibi_slopes_and_sinks_loads(trace_dir):
+    data = json.loads((trace_dir / MANIFEST).read_text())
+    (trace_dir / MANIFEST).write_text(json.dumps({**data, "format_version": 1}))
+    _rewrite_lines(trace_dir, _without_alibi_and_sinks)
+    t = Trace.open(trace_dir)
+    assert t.run.format_version == 1 and [r.step for r in t.records] == [1, 2, 3]
+    assert all(r.alibi_slopes is None and r.sinks is None for r in t.records)
+
+
+def test_a_v2_line_lacking_alibi_slopes_and_sinks_is_an_error(trace_dir):
+    assert json.loads((trace_dir / MANIFEST).read_text())["format_version"] == 2
+    _rewrite_lines(trace_dir, _without_alibi_and_sinks)
+    with pytest.raises(TraceError, match=re.escape("line 2: StepRecord: missing fields ['alibi_slopes', 'sinks']")):
+        Trace.open(trace_dir)
+
+
+def test_the_frozen_v1_trace_opens():
+    lines = [json.loads(line) for line in (V1_MINIMAL / STEPS).read_text().splitlines()]
+    assert not any("alibi_slopes" in d or "sinks" in d for d in lines)  # still shaped as format 1
+    t = Trace.open(V1_MINIMAL)
+    assert t.run.format_version == 1 and t.run.model.name == "tiny" and t.run.kv_cache.layout == "cpu"
+    assert [(r.step, r.kind, r.num_actual_tokens, r.seq_lens) for r in t.records] == [
+        (3, "request", 20, (20,)), (4, "request", 1, (21,))]
+    assert t.records[0].slot_mapping == tuple(range(32, 52))  # block 1, offsets 0..19
+    assert all(r.alibi_slopes is None and r.sinks is None and r.tensors is None for r in t.records)
+    assert t.gaps == [] and t.problems == [] and t.run.sources == {}

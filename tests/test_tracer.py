@@ -10,7 +10,7 @@ import torch
 
 from reference_impl.layouts import cpu_layout_for
 
-from tests.conftest import UNTRACED_SNIPPET, engine_env, run_engine
+from tests.factories import UNTRACED_SNIPPET, engine_env, run_engine
 from tracer.format import Trace
 
 pytestmark = pytest.mark.engine

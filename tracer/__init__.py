@@ -30,7 +30,8 @@ __all__ = [
 
 def start(directory, *, layers="first", steps=(None, None), tensors=False, budget_mb=256.0, export_env=True):
     """Install the tracer in this process (and, via env, in vLLM's child processes)."""
-    from tracer.hooks import Tracer, TracerOptions
+    from tracer.hooks import Tracer
+    from tracer.options import TracerOptions
 
     options = TracerOptions(
         directory=str(directory),

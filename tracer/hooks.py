@@ -1,10 +1,11 @@
 """Wrap vLLM's attention backends and model runners; record what attention receives.
 
 The hooks only record: in ``forward`` / ``do_kv_cache_update`` they clone the few
-tensors they need *on the device* (no host sync) and append to a list. When the
-model runner's step returns, ``Tracer._flush`` copies them to the host, shapes
-the records and writes them. Nothing is copied while a CUDA graph is being
-captured: that would abort the capture and crash the engine.
+tensors they need *on the device* (no host sync) and append a ``tracer.pending.Pending``.
+When the model runner's step returns, ``Tracer._flush`` has each one copy itself to the
+host and shape its record, then writes them (the manifest, from ``tracer.manifest``, with
+the first). Nothing is copied while a CUDA graph is being captured: that would abort the
+capture and crash the engine.
 
 Patched (when importable):
 
@@ -18,36 +19,19 @@ Patched (when importable):
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
-import importlib
 import logging
-import math
 import os
 import threading
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from tracer.format import (
-    FORMAT_VERSION,
-    REGISTRY,
-    GapRecord,
-    KVCacheSpec,
-    ModelSummary,
-    RunInfo,
-    StepRecord,
-    TraceWriter,
-    __version__,
-    layer_index,
-    layer_matches,
-    parse_layers,
-    parse_steps,
-    read_sources,
-    step_in_range,
-    store_sources,
-)
+from tracer.format import GapRecord, TraceWriter, layer_matches, step_in_range, store_sources
+from tracer.manifest import build_run_info, import_attr, tp_rank, vllm_sources
+from tracer.options import TracerOptions
+from tracer.pending import Pending
+
+__all__ = ["BACKEND_TARGETS", "RUNNER_METHODS", "RUNNER_TARGETS", "Tracer", "TracerOptions", "active"]
 
 logger = logging.getLogger("pagedtrace")
 
@@ -63,78 +47,6 @@ RUNNER_TARGETS = (
 #: vLLM's V2 runner warms up with fake requests named ``_warmup_<i>_``.
 WARMUP_REQ_PREFIX = "_warmup_"
 RUNNER_METHODS = ("execute_model", "_dummy_run", "profile_run", "capture_model", "prepare_inputs")
-
-#: Environment variables read by ``TracerOptions.from_env`` (and the plugin).
-ENV_DIR = "PAGEDTRACE_DIR"
-ENV_LAYERS = "PAGEDTRACE_LAYERS"
-ENV_STEPS = "PAGEDTRACE_STEPS"
-ENV_TENSORS = "PAGEDTRACE_TENSORS"
-ENV_BUDGET = "PAGEDTRACE_BUDGET_MB"
-
-
-@dataclass(frozen=True)
-class TracerOptions:
-    """What to record.
-
-    ``layers``: ``"first"`` (the first attention layer that runs), ``"all"``, or a
-    tuple of layer indices / names. ``steps``: half-open range of step indices
-    (``None`` = unbounded). ``tensors``: also save query, output, key/value and the
-    KV blocks in use, for request steps, within ``budget_bytes``.
-    """
-
-    directory: str
-    layers: str | tuple[str | int, ...] = "first"
-    steps: tuple[int | None, int | None] = (None, None)
-    tensors: bool = False
-    budget_bytes: int = 256 * 2**20
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> TracerOptions | None:
-        """Options from ``PAGEDTRACE_*`` variables; None when ``PAGEDTRACE_DIR`` is unset."""
-        env = os.environ if environ is None else environ
-        directory = env.get(ENV_DIR)
-        if not directory:
-            return None
-        return cls(
-            directory=directory,
-            layers=parse_layers(env.get(ENV_LAYERS, "first")),
-            steps=parse_steps(env.get(ENV_STEPS, "")),
-            tensors=env.get(ENV_TENSORS, "0").lower() in ("1", "true", "yes", "on"),
-            budget_bytes=int(float(env.get(ENV_BUDGET, "256")) * 2**20),
-        )
-
-    def to_env(self) -> dict[str, str]:
-        """The ``PAGEDTRACE_*`` variables that make child processes trace the same way."""
-        layers = self.layers if isinstance(self.layers, str) else ",".join(map(str, self.layers))
-        start, stop = self.steps
-        return {
-            ENV_DIR: str(self.directory),
-            ENV_LAYERS: layers,
-            ENV_STEPS: f"{'' if start is None else start}:{'' if stop is None else stop}",
-            ENV_TENSORS: "1" if self.tensors else "0",
-            ENV_BUDGET: str(self.budget_bytes / 2**20),
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON form for the manifest."""
-        d = dataclasses.asdict(self)
-        d["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
-        d["steps"] = list(self.steps)
-        return d
-
-
-@dataclass
-class _Pending:
-    """One captured forward call, tensors still on the device."""
-
-    step: int
-    kind: str
-    layer: str
-    impl: Any
-    metadata: dict[str, Any]
-    device_tensors: dict[str, Any]
-    kv_cache: Any
-    req_ids: tuple[str, ...]
 
 
 _ACTIVE: Tracer | None = None
@@ -164,7 +76,7 @@ class Tracer:
         self._layer_locked: str | None = None
         self._runner: Any = None
         self._vllm_config: Any = None
-        self._pending: list[_Pending] = []
+        self._pending: list[Pending] = []
         self._kv_inputs: dict[str, dict[str, Any]] = {}
         # step bookkeeping
         self.step = -1
@@ -239,13 +151,13 @@ class Tracer:
 
     def _install(self) -> None:
         for module_name, cls_name in BACKEND_TARGETS:
-            cls = _import_attr(module_name, cls_name)
+            cls = import_attr(module_name, cls_name)
             if cls is None:
                 continue
             self._patch(cls, "forward", self._wrap_forward)
             self._patch(cls, "do_kv_cache_update", self._wrap_kv_update)
         for module_name, cls_name in RUNNER_TARGETS:
-            cls = _import_attr(module_name, cls_name)
+            cls = import_attr(module_name, cls_name)
             if cls is None:
                 continue
             for method in RUNNER_METHODS:
@@ -441,7 +353,7 @@ class Tracer:
         kind = self._kind()
         if kind == "request" and _is_warmup_batch(req_ids):
             kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
-        self._pending.append(_Pending(self.step, kind, name, impl, metadata, dev, kv_cache, req_ids))
+        self._pending.append(Pending(self.step, kind, name, impl, metadata, dev, kv_cache, req_ids))
 
     def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
         ids: Any = self._v2_req_ids
@@ -478,52 +390,11 @@ class Tracer:
         pending, self._pending = self._pending, []
         self._kv_inputs.clear()
         for p in pending:
-            host = {k: v.to("cpu") for k, v in p.device_tensors.items()}
-            md = p.metadata
-            seq_lens = [int(s) for s in host["seq_lens"].tolist()]
-            block_size = int(p.kv_cache.shape[2])
-            rows = host["block_table"].tolist()
-            block_table = tuple(
-                tuple(int(b) for b in row[: math.ceil(s / block_size)]) for row, s in zip(rows, seq_lens)
-            )
-            rec = StepRecord(
-                alibi_slopes=_floats(getattr(p.impl, "alibi_slopes", None)),
-                sinks=_floats(getattr(p.impl, "sinks", None)),
-                step=p.step,
-                layer=p.layer,
-                kind=p.kind,
-                request_ids=p.req_ids,
-                query_start_loc=tuple(int(x) for x in host["query_start_loc"].tolist()),
-                seq_lens=tuple(seq_lens),
-                block_table=block_table,
-                slot_mapping=tuple(int(x) for x in host["slot_mapping"].tolist()),
-                **md,
-            )
-            tensors = None
-            if "query" in host:
-                tensors = self._tensor_payload(p, host, block_table)
+            rec, tensors = p.shape()
             if not self._manifest_written:
                 self._write_manifest(p)
             self._write(rec, tensors)
             self.stats["records"] += 1
-
-    def _tensor_payload(self, p: _Pending, host: dict[str, Any], block_table) -> dict[str, Any]:
-        import torch
-
-        ids = sorted({b for row in block_table for b in row})
-        index = torch.tensor(ids, dtype=torch.long, device=p.kv_cache.device)
-        kv_blocks = p.kv_cache.index_select(0, index).to("cpu")
-        n, h, d = p.metadata["num_actual_tokens"], p.metadata["num_heads"], p.metadata["head_size"]
-        out = {
-            "query": host["query"].reshape(n, h, d),
-            "output": host["output"].reshape(n, h, d),
-            "kv_blocks": kv_blocks,
-            "kv_block_ids": torch.tensor(ids, dtype=torch.int32),
-        }
-        for k in ("key", "value"):
-            if k in host:
-                out[k] = host[k]
-        return out
 
     def _write(self, record, tensors) -> None:
         if self._write_failed:
@@ -540,7 +411,7 @@ class Tracer:
     def _writer_or_new(self) -> TraceWriter:
         if self._writer is None:
             directory = Path(self.options.directory)
-            rank = _tp_rank()
+            rank = tp_rank()
             if rank:  # tensor-parallel workers other than rank 0 write a trace of their own
                 directory = directory / f"rank{rank}"
             self._writer = TraceWriter(directory, tensor_budget_bytes=self.options.budget_bytes)
@@ -556,13 +427,15 @@ class Tracer:
 
     # -- manifest -----------------------------------------------------------
 
-    def _write_manifest(self, p: _Pending | None) -> None:
+    def _write_manifest(self, first: Pending) -> None:
+        # Written with the first record: only a recorded forward shows the backend and its cache.
         if self._write_failed:
             return
         try:
             writer = self._writer_or_new()
-            sources = store_sources(writer, _vllm_sources())
-            writer.write_manifest(build_run_info(self, p, sources))
+            sources = store_sources(writer, vllm_sources())
+            writer.write_manifest(build_run_info(self.options, self._vllm_config, sources,
+                                                 impl=first.impl, kv_cache=first.kv_cache, layer=first.layer))
             self._manifest_written = True
         except OSError as exc:
             self._write_failed = True
@@ -577,25 +450,9 @@ class Tracer:
             self._writer = None
 
 
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except Exception:  # noqa: BLE001 - not initialised: a single process
-        return 0
-
-
 def _is_warmup_batch(req_ids: tuple[str, ...] | None) -> bool:
     """True for the V2 runner's fake warm-up requests (``_warmup_<i>_``)."""
     return bool(req_ids) and all(r.startswith(WARMUP_REQ_PREFIX) for r in req_ids)
-
-
-def _floats(tensor: Any) -> tuple[float, ...] | None:
-    """A small per-head tensor (ALiBi slopes, sinks) as floats; read at flush, off the hot path."""
-    if tensor is None:
-        return None
-    return tuple(float(x) for x in tensor.detach().float().cpu().tolist())
 
 
 @functools.lru_cache(maxsize=1)
@@ -615,177 +472,3 @@ def _capturing() -> bool:
     import torch
 
     return bool(torch.cuda.is_current_stream_capturing())
-
-
-def _import_attr(module_name: str, attr: str) -> Any:
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - a backend this build lacks is not an error
-        logger.debug("pagedtrace: %s not importable: %s", module_name, exc)
-        return None
-    return getattr(module, attr, None)
-
-
-def _vllm_sources() -> dict[str, str]:
-    """The engine's own copies of ``SOURCE_FILES`` (those it has)."""
-    try:
-        import vllm
-
-        return read_sources(Path(vllm.__file__).parent.parent)
-    except (ImportError, OSError):
-        return {}
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def kv_layout_of(impl: Any, kv_cache: Any) -> str:
-    """Name the layout of ``kv_cache`` as the backend ``impl`` reads it."""
-    if type(impl).__name__ == "CPUAttentionBackendImpl":
-        # The CPU kernel's ISA decides the packing: "amx" tiles K and V differently.
-        return "cpu_amx" if getattr(impl, "isa", None) == "amx" else "cpu"
-    stride = kv_cache.stride()
-    # logical (blocks, heads, tokens, 2D): NHD keeps the heads dim inside a token
-    return "flash_nhd" if stride[1] < stride[2] else "flash_hnd"
-
-
-def build_run_info(tracer: Tracer, p: _Pending | None, sources: dict[str, dict[str, str]]) -> RunInfo:
-    """Collect versions, device, model and KV-cache facts for the manifest."""
-    import torch
-    import vllm
-
-
-    cfg = tracer._vllm_config
-    if cfg is None:
-        try:
-            from vllm.config import get_current_vllm_config
-
-            cfg = get_current_vllm_config()
-        except Exception:  # noqa: BLE001
-            cfg = None
-    platform_name, device, device_name = "unknown", "cpu", "cpu"
-    try:
-        from vllm.platforms import current_platform
-
-        platform_name = type(current_platform).__name__
-        device = str(current_platform.device_type)
-        device_name = current_platform.get_device_name() if device == "cuda" else _cpu_name()
-    except Exception:  # noqa: BLE001
-        pass
-    model = None
-    kv = None
-    backend = "unknown"
-    fa_version = None
-    if cfg is not None and cfg.model_config is not None:
-        mc = cfg.model_config
-        hf = mc.hf_text_config
-        model = ModelSummary(
-            name=str(os.environ.get("PAGEDTRACE_MODEL_NAME") or mc.model),
-            architectures=tuple(getattr(mc.hf_config, "architectures", None) or ()),
-            num_layers=int(getattr(hf, "num_hidden_layers", 0) or 0),
-            num_attention_heads=int(getattr(hf, "num_attention_heads", 0) or 0),
-            num_kv_heads=int(mc.get_total_num_kv_heads()),
-            head_size=int(mc.get_head_size()),
-            hidden_size=int(getattr(hf, "hidden_size", 0) or 0),
-            vocab_size=int(getattr(hf, "vocab_size", 0) or 0),
-            dtype=_dtype_name(mc.dtype),
-            max_model_len=int(mc.max_model_len),
-            weights=os.environ.get("PAGEDTRACE_WEIGHTS") or str(cfg.load_config.load_format),
-        )
-    if p is not None:
-        impl, kv_cache = p.impl, p.kv_cache
-        backend = f"{type(impl).__module__}.{type(impl).__qualname__}"
-        fa_version = getattr(impl, "vllm_flash_attn_version", None)
-        layout = kv_layout_of(impl, kv_cache)
-        nb, h, bs, d2 = (int(x) for x in kv_cache.shape)
-        backend_shape: tuple[int, ...] = ()
-        stride_order = None
-        backend_cls = _backend_class(impl)
-        if backend_cls is not None:
-            try:
-                backend_shape = tuple(backend_cls.get_kv_cache_shape(nb, bs, h, d2 // 2, impl.kv_cache_dtype))
-            except Exception:  # noqa: BLE001
-                pass
-            try:
-                stride_order = tuple(backend_cls.get_kv_cache_stride_order())
-            except Exception:  # noqa: BLE001 - CPU backend has none
-                stride_order = None
-        layer_names = _attention_layers(cfg) or sorted({q.layer for q in tracer._pending} | {p.layer})
-        layer_obj = _layer_obj(cfg, p.layer)
-        kv = KVCacheSpec(
-            layer_names=tuple(layer_names),
-            num_blocks=nb,
-            block_size=bs,
-            num_kv_heads=h,
-            head_size=d2 // 2,
-            dtype=_dtype_name(kv_cache.dtype),
-            cache_dtype=str(getattr(impl, "kv_cache_dtype", "auto")),
-            element_size=int(kv_cache.element_size()),
-            shape=(nb, h, bs, d2),
-            stride=tuple(int(s) for s in kv_cache.stride()),
-            layout=layout,
-            physical_order=REGISTRY[layout].memory_order,
-            k_scale=float(getattr(layer_obj, "_k_scale_float", 1.0)),
-            v_scale=float(getattr(layer_obj, "_v_scale_float", 1.0)),
-            backend_kv_cache_shape=backend_shape,
-            backend_stride_order=stride_order,
-        )
-    cc = getattr(cfg, "compilation_config", None)
-    return RunInfo(
-        format_version=FORMAT_VERSION,
-        pagedtrace_version=__version__,
-        vllm_version=str(vllm.__version__),
-        torch_version=str(torch.__version__),
-        platform=platform_name,
-        device=device,
-        device_name=device_name,
-        attention_backend=backend,
-        flash_attn_version=fa_version,
-        cudagraph_mode=str(getattr(cc, "cudagraph_mode", "unknown")).removeprefix("CUDAGraphMode."),
-        enforce_eager=bool(getattr(getattr(cfg, "model_config", None), "enforce_eager", False)),
-        model=model,
-        kv_cache=kv,
-        options=tracer.options.to_json(),
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        sources=sources,
-        extra={"pid": os.getpid()},
-    )
-
-
-def _attention_layers(cfg: Any) -> list[str]:
-    """Names of the model's attention layers (they share one KV-cache spec here)."""
-    try:
-        ctx = cfg.compilation_config.static_forward_context
-    except Exception:  # noqa: BLE001
-        return []
-    names = [n for n, mod in ctx.items() if hasattr(mod, "impl") and hasattr(mod, "kv_cache")]
-    return sorted(names, key=lambda n: (layer_index(n) if layer_index(n) is not None else 1 << 30, n))
-
-
-def _layer_obj(cfg: Any, name: str) -> Any:
-    try:
-        return cfg.compilation_config.static_forward_context[name]
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _backend_class(impl: Any) -> Any:
-    name = type(impl).__name__
-    if name == "FlashAttentionImpl":
-        return _import_attr("vllm.v1.attention.backends.flash_attn", "FlashAttentionBackend")
-    if name == "CPUAttentionBackendImpl":
-        return _import_attr("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend")
-    return None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"

@@ -18,9 +18,10 @@ def register() -> None:
     """Entry point named in ``pyproject.toml`` under ``vllm.general_plugins``."""
     from tracer import hooks
     from tracer.loader import register_loader
+    from tracer.options import TracerOptions
 
     register_loader()
-    options = hooks.TracerOptions.from_env()
+    options = TracerOptions.from_env()
     if options is None or hooks.active() is not None:
         return
     try:

@@ -21,6 +21,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tracer.format import parse_layers
+from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS
+
 #: Built-in presets: name -> (config file in ``pagedtrace.presets``, defaults).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"config": "tiny.json", "max_model_len": 512,
@@ -186,8 +189,8 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
         model_path, load_format, vocab, preset_len = resolve_model(cfg.model, workdir)
         if Path(model_path).is_dir():
             os.environ.setdefault("HF_HUB_OFFLINE", "1")  # presets and local dirs need no hub
-        os.environ["PAGEDTRACE_MODEL_NAME"] = cfg.model
-        os.environ["PAGEDTRACE_WEIGHTS"] = (
+        os.environ[ENV_MODEL_NAME] = cfg.model
+        os.environ[ENV_WEIGHTS] = (
             "dummy + pagedtrace_random re-init (seeded normal; attention far from uniform)"
             if load_format != "auto" else "checkpoint"
         )
@@ -200,7 +203,7 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
 
             if trace_dir.exists() and any(trace_dir.iterdir()):
                 raise FileExistsError(f"{trace_dir} exists and is not empty: choose a new trace directory")
-            t = tracer.start(trace_dir, layers=_layers(cfg.layers), steps=cfg.steps,
+            t = tracer.start(trace_dir, layers=parse_layers(cfg.layers), steps=cfg.steps,
                              tensors=cfg.tensors, budget_mb=cfg.budget_mb)
         notify("phase", "engine", None)
         t0 = time.perf_counter()
@@ -261,9 +264,3 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
         if t is not None:
             t.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _layers(text: str):
-    from tracer.format import parse_layers
-
-    return parse_layers(text)

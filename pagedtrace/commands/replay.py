@@ -24,6 +24,7 @@ KERNEL_CHOICES = ("fast", "loop", "partitioned", "compiled")
 
 
 def _steps(text: str) -> tuple[int | None, int | None]:
+    """``--steps``: ``tracer.format.parse_steps``, its message as argparse's."""
     from tracer.format import parse_steps
 
     try:
@@ -33,12 +34,19 @@ def _steps(text: str) -> tuple[int | None, int | None]:
 
 
 def _layers(text: str) -> tuple[str | int, ...] | None:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"bad layer selection {text!r}: use 'all' or indices/names")
-    if items == ["all"]:
+    """``--layers``: ``tracer.format.parse_layers``; ``all`` -> None (every recorded layer).
+
+    Replay has no "first layer": ``first`` is a layer name here, as any other word.
+    """
+    from tracer.format import parse_layers
+
+    try:
+        selection = parse_layers(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad layer selection {text!r}: use 'all' or indices/names") from None
+    if selection in ("all", ("all",)):
         return None
-    return tuple(int(t) if t.isdigit() else t for t in items)
+    return (selection,) if isinstance(selection, str) else selection
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from pagedtrace.commands import short_layer
-from tracer.format import Trace
+from tracer.format import Trace, parse_steps
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -26,8 +26,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _steps(text: str) -> tuple[int | None, int | None]:
-    from tracer.format import parse_steps
-
+    """``--steps``: ``tracer.format.parse_steps``, its message as argparse's."""
     try:
         return parse_steps(text)
     except ValueError as exc:

@@ -1,0 +1,89 @@
+"""What the tracer records, and the ``PAGEDTRACE_*`` variables that carry it to vLLM's processes.
+
+``tracer.start`` exports these variables; the ``vllm.general_plugins`` entry point
+(``tracer.plugin``) reads them back in the engine core and each worker. Standard
+library and ``tracer.format`` only: importing this module starts nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from tracer.format import parse_layers, parse_steps
+
+__all__ = [
+    "ENV_BUDGET",
+    "ENV_DIR",
+    "ENV_LAYERS",
+    "ENV_MODEL_NAME",
+    "ENV_STEPS",
+    "ENV_TENSORS",
+    "ENV_WEIGHTS",
+    "TracerOptions",
+]
+
+#: Environment variables read by ``TracerOptions.from_env`` (and the plugin).
+ENV_DIR = "PAGEDTRACE_DIR"
+ENV_LAYERS = "PAGEDTRACE_LAYERS"
+ENV_STEPS = "PAGEDTRACE_STEPS"
+ENV_TENSORS = "PAGEDTRACE_TENSORS"
+ENV_BUDGET = "PAGEDTRACE_BUDGET_MB"
+
+#: Set by ``pagedtrace run`` (``tracer.session``) for the manifest's ``ModelSummary``: the
+#: preset or model the user named, and how its weights were made.
+ENV_MODEL_NAME = "PAGEDTRACE_MODEL_NAME"
+ENV_WEIGHTS = "PAGEDTRACE_WEIGHTS"
+
+
+@dataclass(frozen=True)
+class TracerOptions:
+    """What to record.
+
+    ``layers``: ``"first"`` (the first attention layer that runs), ``"all"``, or a
+    tuple of layer indices / names. ``steps``: half-open range of step indices
+    (``None`` = unbounded). ``tensors``: also save query, output, key/value and the
+    KV blocks in use, for request steps, within ``budget_bytes``.
+    """
+
+    directory: str
+    layers: str | tuple[str | int, ...] = "first"
+    steps: tuple[int | None, int | None] = (None, None)
+    tensors: bool = False
+    budget_bytes: int = 256 * 2**20
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> TracerOptions | None:
+        """Options from ``PAGEDTRACE_*`` variables; None when ``PAGEDTRACE_DIR`` is unset."""
+        env = os.environ if environ is None else environ
+        directory = env.get(ENV_DIR)
+        if not directory:
+            return None
+        return cls(
+            directory=directory,
+            layers=parse_layers(env.get(ENV_LAYERS, "first")),
+            steps=parse_steps(env.get(ENV_STEPS, "")),
+            tensors=env.get(ENV_TENSORS, "0").lower() in ("1", "true", "yes", "on"),
+            budget_bytes=int(float(env.get(ENV_BUDGET, "256")) * 2**20),
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The ``PAGEDTRACE_*`` variables that make child processes trace the same way."""
+        layers = self.layers if isinstance(self.layers, str) else ",".join(map(str, self.layers))
+        start, stop = self.steps
+        return {
+            ENV_DIR: str(self.directory),
+            ENV_LAYERS: layers,
+            ENV_STEPS: f"{'' if start is None else start}:{'' if stop is None else stop}",
+            ENV_TENSORS: "1" if self.tensors else "0",
+            ENV_BUDGET: str(self.budget_bytes / 2**20),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form for the manifest."""
+        d = dataclasses.asdict(self)
+        d["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
+        d["steps"] = list(self.steps)
+        return d
