@@ -19,9 +19,9 @@ from annotations.annotate import (
     AnnotatedSource,
     Note,
     StepNotFound,
+    anchor_values,
     annotate,
     annotate_file,
-    anchor_values,
     select_record,
 )
 from annotations.locate import LocatedSource, Location, locate

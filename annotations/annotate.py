@@ -97,9 +97,7 @@ def select_record(trace: Trace, step: int | None = None, layer: str | None = Non
 
 def anchor_values(located: LocatedSource, record: StepRecord | None, run: RunInfo) -> dict[str, Value | None]:
     """Anchor key -> value at ``record`` for every anchor ``located`` found."""
-    return {
-        key: value_for(loc.anchor, record, run) for key, loc in located.locations.items() if loc.found
-    }
+    return {key: value_for(loc.anchor, record, run) for key, loc in located.locations.items() if loc.found}
 
 
 #: Backend-specific files, by the class-name prefix of the backend that runs them.

@@ -92,8 +92,10 @@ def split_kv_cache_summary(spec: KVCacheSpec) -> str:
     """One plain sentence: what ``PagedAttention.split_kv_cache`` would make of the captured cache."""
     x = 16 // spec.element_size
     views = []
-    for index, shape in ((0, (spec.shape[1], spec.num_kv_heads, spec.head_size // x, -1, x)),
-                         (1, (spec.shape[1], spec.num_kv_heads, spec.head_size, -1))):
+    for index, shape in (
+        (0, (spec.shape[1], spec.num_kv_heads, spec.head_size // x, -1, x)),
+        (1, (spec.shape[1], spec.num_kv_heads, spec.head_size, -1)),
+    ):
         try:
             cache_view(spec).select(0, index).view(*shape)
         except ViewError:

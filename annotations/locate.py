@@ -124,11 +124,7 @@ class AnchorMatcher(cst.BatchableCSTVisitor):
     def _pending(self, mode: str) -> list[Anchor]:
         if not self._stack or self._stack[-1] is None:
             return []
-        return [
-            a
-            for a in self._by_function.get(self._stack[-1], ())
-            if a.match == mode and a.key not in self.lines
-        ]
+        return [a for a in self._by_function.get(self._stack[-1], ()) if a.match == mode and a.key not in self.lines]
 
     def _line(self, node: cst.CSTNode) -> int:
         return self.get_metadata(PositionProvider, node).start.line

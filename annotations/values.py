@@ -286,8 +286,7 @@ def _forward_call(rec: StepRecord, run: RunInfo) -> Value:
 def _slot_kernel_launch(rec: StepRecord, run: RunInfo) -> Value:
     bs = run.kv_cache.block_size if run.kv_cache else "?"
     return Value(
-        f"grid = (num_reqs + 1,) = ({rec.num_reqs + 1},): one program per request, the last pads; "
-        f"block_size = {bs}"
+        f"grid = (num_reqs + 1,) = ({rec.num_reqs + 1},): one program per request, the last pads; block_size = {bs}"
     )
 
 

@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from reference_impl import paged_attention_fast, paged_attention_loop  # noqa: E402
-from reference_impl.compiled import CompiledKernelError, load, paged_attention_compiled  # noqa: E402
+from reference_impl import paged_attention_fast, paged_attention_loop
+from reference_impl.compiled import CompiledKernelError, load, paged_attention_compiled
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TARGET_S_PER_1000 = 10.0  #: the issue's target for the fast kernel, on a 2-core CPU
@@ -121,8 +121,13 @@ def replay(kernel, steps, query_pool, key_cache, value_cache, scale) -> float:
     start = time.perf_counter()
     for step in steps:
         kernel(
-            query_pool[: step.num_actual_tokens], key_cache, value_cache, step.block_table,
-            step.seq_lens, step.query_start_loc, scale=scale,
+            query_pool[: step.num_actual_tokens],
+            key_cache,
+            value_cache,
+            step.block_table,
+            step.seq_lens,
+            step.query_start_loc,
+            scale=scale,
         )
     return time.perf_counter() - start
 
@@ -134,10 +139,9 @@ def read_floor(steps, key_cache, value_cache, chunk_blocks: int = 32) -> float:
     block_size = key_cache.shape[1]
     chunks = []
     for step in steps:
-        ids = torch.cat([
-            step.block_table[b, : -(-seq_len // block_size)]
-            for b, seq_len in enumerate(step.seq_lens.tolist())
-        ]).long()
+        ids = torch.cat(
+            [step.block_table[b, : -(-seq_len // block_size)] for b, seq_len in enumerate(step.seq_lens.tolist())]
+        ).long()
         chunks.extend(ids.split(chunk_blocks))
     buffer = torch.empty((chunk_blocks,) + key_cache.shape[1:], dtype=key_cache.dtype)
     start = time.perf_counter()
@@ -153,18 +157,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="decoding sequences per step")
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=2000)
-    parser.add_argument("--prefill-every", type=int, default=25,
-                        help="add a chunked-prefill chunk every N steps (0: never)")
+    parser.add_argument(
+        "--prefill-every", type=int, default=25, help="add a chunked-prefill chunk every N steps (0: never)"
+    )
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--loop-every", type=int, default=50,
-                        help="time paged_attention_loop on one step in N (a seeded random sample)")
-    parser.add_argument("--threads", default="1,2",
-                        help="comma-separated torch thread counts to measure (0: torch's default)")
+    parser.add_argument(
+        "--loop-every", type=int, default=50, help="time paged_attention_loop on one step in N (a seeded random sample)"
+    )
+    parser.add_argument(
+        "--threads", default="1,2", help="comma-separated torch thread counts to measure (0: torch's default)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     thread_counts = [int(t) for t in args.threads.split(",")]
@@ -177,20 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
     max_rows = max(s.num_actual_tokens for s in steps)
     query_pool = torch.randn(max_rows, args.num_heads, args.head_size, generator=gen).to(dtype)
-    scale = args.head_size ** -0.5
+    scale = args.head_size**-0.5
 
     elem = key_cache.element_size()
     kv_row_bytes = 2 * args.num_kv_heads * args.head_size * elem  # K and V of one token
     total_kv = sum(s.kv_tokens for s in steps)
     total_rows = sum(s.num_actual_tokens for s in steps)
     kv_bytes = total_kv * kv_row_bytes
-    print(f"workload: {len(steps)} steps, {total_rows} query rows, {total_kv} KV tokens read "
-          f"({kv_bytes / 1e9:.2f} GB), cache {num_blocks} blocks x "
-          f"{args.block_size} tokens, H={args.num_heads} H_kv={args.num_kv_heads} "
-          f"D={args.head_size} {args.dtype}; {os.cpu_count()} CPUs")
+    print(
+        f"workload: {len(steps)} steps, {total_rows} query rows, {total_kv} KV tokens read "
+        f"({kv_bytes / 1e9:.2f} GB), cache {num_blocks} blocks x "
+        f"{args.block_size} tokens, H={args.num_heads} H_kv={args.num_kv_heads} "
+        f"D={args.head_size} {args.dtype}; {os.cpu_count()} CPUs"
+    )
     # A seeded random sample: a stride could line up with the prefill period.
-    sample_ids = sorted(random.Random(args.seed).sample(
-        range(len(steps)), max(1, len(steps) // max(args.loop_every, 1))))
+    sample_ids = sorted(
+        random.Random(args.seed).sample(range(len(steps)), max(1, len(steps) // max(args.loop_every, 1)))
+    )
     sample = [steps[i] for i in sample_ids]
     sample_kv = sum(s.kv_tokens for s in sample)
 
@@ -204,43 +214,53 @@ def main(argv: list[str] | None = None) -> int:
         try:
             load()
             replay(paged_attention_compiled, steps[:3], query_pool, key_cache, value_cache, scale)
-            compiled_s = replay(paged_attention_compiled, steps, query_pool, key_cache,
-                                value_cache, scale)
+            compiled_s = replay(paged_attention_compiled, steps, query_pool, key_cache, value_cache, scale)
         except CompiledKernelError as exc:
             compiled_s, compiled_error = None, str(exc)
         loop_s = replay(paged_attention_loop, sample, query_pool, key_cache, value_cache, scale)
-        fast_sample_s = replay(paged_attention_fast, sample, query_pool, key_cache, value_cache,
-                               scale)
+        fast_sample_s = replay(paged_attention_fast, sample, query_pool, key_cache, value_cache, scale)
         load_after = os.getloadavg()[0]
         loop_full_s = loop_s * total_kv / sample_kv
         per_1000 = fast_s * 1000 / len(steps)
         speedup = loop_full_s / fast_s
-        print(f"\ntorch threads {torch.get_num_threads()}, load average (1 min) "
-              f"{load_before:.2f} before, {load_after:.2f} after")
+        print(
+            f"\ntorch threads {torch.get_num_threads()}, load average (1 min) "
+            f"{load_before:.2f} before, {load_after:.2f} after"
+        )
         met = "met" if per_1000 <= TARGET_S_PER_1000 else "not met"
-        print(f"  fast: {fast_s:.2f} s for {len(steps)} steps = {len(steps) / fast_s:.1f} steps/s, "
-              f"{kv_bytes / fast_s / 1e9:.2f} GB/s of KV, {per_1000:.2f} s per 1000 steps "
-              f"(target <= {TARGET_S_PER_1000:g} s: {met})")
+        print(
+            f"  fast: {fast_s:.2f} s for {len(steps)} steps = {len(steps) / fast_s:.1f} steps/s, "
+            f"{kv_bytes / fast_s / 1e9:.2f} GB/s of KV, {per_1000:.2f} s per 1000 steps "
+            f"(target <= {TARGET_S_PER_1000:g} s: {met})"
+        )
         if compiled_s is None:
             print(f"  compiled (fast + C++ decode rows): not measured, {compiled_error}")
         else:
             c_per_1000 = compiled_s * 1000 / len(steps)
-            print(f"  compiled (fast + C++ decode rows): {compiled_s:.2f} s = "
-                  f"{len(steps) / compiled_s:.1f} steps/s, {kv_bytes / compiled_s / 1e9:.2f} GB/s of KV, "
-                  f"{c_per_1000:.2f} s per 1000 steps (target: "
-                  f"{'met' if c_per_1000 <= TARGET_S_PER_1000 else 'not met'}); "
-                  f"{loop_full_s / compiled_s:.1f}x the loop (target: "
-                  f"{'met' if loop_full_s / compiled_s >= TARGET_SPEEDUP else 'not met'})")
-        print(f"  read floor: {floor_s:.2f} s = {kv_bytes / floor_s / 1e9:.2f} GB/s (gathering "
-              f"the blocks' bytes alone, no conversion or math); fast takes "
-              f"{fast_s / floor_s:.1f}x that; a fast kernel {TARGET_SPEEDUP:g}x the loop would take "
-              f"{loop_full_s / TARGET_SPEEDUP / floor_s:.1f}x")
-        print(f"  loop: {loop_s:.2f} s for {len(sample)} sampled steps ({sample_kv} KV tokens) "
-              f"-> {loop_full_s:.1f} s extrapolated to all steps, "
-              f"{len(steps) / loop_full_s:.2f} steps/s")
-        print(f"  speed-up fast/loop: {speedup:.1f}x over the whole run "
-              f"({loop_s / fast_sample_s:.1f}x on the same sampled steps; target >= "
-              f"{TARGET_SPEEDUP:g}x: {'met' if speedup >= TARGET_SPEEDUP else 'not met'})")
+            print(
+                f"  compiled (fast + C++ decode rows): {compiled_s:.2f} s = "
+                f"{len(steps) / compiled_s:.1f} steps/s, {kv_bytes / compiled_s / 1e9:.2f} GB/s of KV, "
+                f"{c_per_1000:.2f} s per 1000 steps (target: "
+                f"{'met' if c_per_1000 <= TARGET_S_PER_1000 else 'not met'}); "
+                f"{loop_full_s / compiled_s:.1f}x the loop (target: "
+                f"{'met' if loop_full_s / compiled_s >= TARGET_SPEEDUP else 'not met'})"
+            )
+        print(
+            f"  read floor: {floor_s:.2f} s = {kv_bytes / floor_s / 1e9:.2f} GB/s (gathering "
+            f"the blocks' bytes alone, no conversion or math); fast takes "
+            f"{fast_s / floor_s:.1f}x that; a fast kernel {TARGET_SPEEDUP:g}x the loop would take "
+            f"{loop_full_s / TARGET_SPEEDUP / floor_s:.1f}x"
+        )
+        print(
+            f"  loop: {loop_s:.2f} s for {len(sample)} sampled steps ({sample_kv} KV tokens) "
+            f"-> {loop_full_s:.1f} s extrapolated to all steps, "
+            f"{len(steps) / loop_full_s:.2f} steps/s"
+        )
+        print(
+            f"  speed-up fast/loop: {speedup:.1f}x over the whole run "
+            f"({loop_s / fast_sample_s:.1f}x on the same sampled steps; target >= "
+            f"{TARGET_SPEEDUP:g}x: {'met' if speedup >= TARGET_SPEEDUP else 'not met'})"
+        )
     return 0
 
 

@@ -40,7 +40,7 @@ def run_once(cfg: dict) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"session failed:\n{proc.stderr[-3000:]}")
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT="))
-    return json.loads(line[len("RESULT="):])
+    return json.loads(line[len("RESULT=") :])
 
 
 def dir_size(path: Path) -> int:
@@ -62,16 +62,23 @@ def main() -> None:
             best, size = None, 0
             for i in range(args.repeat):
                 out = work / f"{name.replace(' ', '_').replace(',', '')}-{i}"
-                cfg = {"trace_dir": str(out), "model": args.model, "num_prompts": args.prompts,
-                       "max_tokens": args.max_tokens, **extra}
+                cfg = {
+                    "trace_dir": str(out),
+                    "model": args.model,
+                    "num_prompts": args.prompts,
+                    "max_tokens": args.max_tokens,
+                    **extra,
+                }
                 r = run_once(cfg)
                 size = max(size, dir_size(out))
                 best = r if best is None or r["generate_s"] < best["generate_s"] else best
             tps = best["tokens"] / best["generate_s"]
             base = base or best["generate_s"]
             overhead = (best["generate_s"] / base - 1) * 100
-            print(f"{name:30s} generate {best['generate_s']:7.3f} s  {tps:8.1f} tok/s  "
-                  f"overhead {overhead:+6.1f}%  trace {size / 2**20:7.2f} MiB")
+            print(
+                f"{name:30s} generate {best['generate_s']:7.3f} s  {tps:8.1f} tok/s  "
+                f"overhead {overhead:+6.1f}%  trace {size / 2**20:7.2f} MiB"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -69,12 +69,12 @@ from reference_impl.layouts import (
 from reference_impl.tolerances import compare, tolerance
 
 __all__ = [
+    "LAYOUTS",
     "LAYOUT_CPU",
     "LAYOUT_CPU_AMX",
     "LAYOUT_FLASH_HND",
     "LAYOUT_FLASH_NHD",
     "LAYOUT_LEGACY",
-    "LAYOUTS",
     "ComponentView",
     "LayoutDescription",
     "StoredTensor",

@@ -55,8 +55,9 @@ def _differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.view(as_int) != b.view(as_int)
 
 
-def check_write_path(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec,
-                     layout: str) -> WriteCheck | None:
+def check_write_path(
+    record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec, layout: str
+) -> WriteCheck | None:
     """Scatter the recorded ``key``/``value`` through ``slot_mapping`` into the layout; compare bits.
 
     The captured blocks are read into canonical K/V (exact), token ``t``'s K/V (in the
@@ -104,13 +105,26 @@ def check_write_path(record: StepRecord, tensors: Mapping[str, torch.Tensor], sp
     bad = written & ~captured
     bad[rows[token_bad]] = True
     mismatches = int(bad.sum())
-    return WriteCheck(step=record.step, layer=record.layer, ok=mismatches == 0, tokens=int(written.sum()),
-                      mismatches=mismatches, first_mismatch=int(bad.nonzero()[0]) if mismatches else None)
+    return WriteCheck(
+        step=record.step,
+        layer=record.layer,
+        ok=mismatches == 0,
+        tokens=int(written.sum()),
+        mismatches=mismatches,
+        first_mismatch=int(bad.nonzero()[0]) if mismatches else None,
+    )
 
 
-def check_legacy_path(record: StepRecord, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      table: torch.Tensor, expected: torch.Tensor, query: torch.Tensor, spec: KVCacheSpec,
-                      kernel: str = "fast") -> LegacyCheck | None:
+def check_legacy_path(
+    record: StepRecord,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: torch.Tensor,
+    expected: torch.Tensor,
+    query: torch.Tensor,
+    spec: KVCacheSpec,
+    kernel: str = "fast",
+) -> LegacyCheck | None:
     """Rewrite the canonical caches in paged_attn.py's layout, read them back, rerun.
 
     Args:
@@ -128,10 +142,16 @@ def check_legacy_path(record: StepRecord, key_cache: torch.Tensor, value_cache: 
     key_legacy, value_legacy = _layouts.kv_to_legacy(key_cache, value_cache)  # [n,H,D/x,bs,x], [n,H,D,bs]
     key_back, value_back = _layouts.legacy_to_kv(key_legacy, value_legacy)
     out = run_kernel(
-        kernel, query, key_back, value_back, table,
-        torch.tensor(record.seq_lens, dtype=torch.long), torch.tensor(record.query_start_loc, dtype=torch.long),
-        block_size=spec.block_size, compute_dtype=REFERENCE_DTYPE, **KernelOptions.from_step(record, spec).kwargs(),
+        kernel,
+        query,
+        key_back,
+        value_back,
+        table,
+        torch.tensor(record.seq_lens, dtype=torch.long),
+        torch.tensor(record.query_start_loc, dtype=torch.long),
+        block_size=spec.block_size,
+        compute_dtype=REFERENCE_DTYPE,
+        **KernelOptions.from_step(record, spec).kwargs(),
     )
     diff = float((out - expected).abs().max()) if out.numel() else 0.0
-    return LegacyCheck(step=record.step, layer=record.layer, ok=bool(torch.equal(out, expected)),
-                       max_abs=diff, x=x)
+    return LegacyCheck(step=record.step, layer=record.layer, ok=bool(torch.equal(out, expected)), max_abs=diff, x=x)

@@ -49,8 +49,7 @@ def check_args(
     num_kv_heads = key_cache.shape[2]
     if key_cache.shape[3] != head_size or num_heads % num_kv_heads:
         raise ValueError(
-            f"query heads {num_heads} x {head_size} do not fit kv heads "
-            f"{num_kv_heads} x {key_cache.shape[3]}"
+            f"query heads {num_heads} x {head_size} do not fit kv heads {num_kv_heads} x {key_cache.shape[3]}"
         )
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_table.shape[0] < num_seqs:

@@ -34,12 +34,12 @@ import torch
 from reference_impl.common import add_sinks, cdiv, check_args
 from reference_impl.fast import paged_attention_fast
 
-__all__ = ["paged_attention_compiled", "load", "CompiledKernelError", "HEAD_SIZES"]
+__all__ = ["HEAD_SIZES", "CompiledKernelError", "load", "paged_attention_compiled"]
 
 #: Head sizes the kernel is compiled for; other sizes take the torch path.
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 192, 256)
 
-_SOURCE = r'''
+_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -263,7 +263,7 @@ std::vector<torch::Tensor> decode(torch::Tensor q, torch::Tensor kc, torch::Tens
   if (q.scalar_type() == at::kDouble) return run<double>(q, kc, vc, table, lens, firsts, scale);
   return run<float>(q, kc, vc, table, lens, firsts, scale);
 }
-'''
+"""
 
 
 class CompiledKernelError(RuntimeError):
@@ -323,13 +323,15 @@ def load() -> ModuleType:
             _find_ninja()
 
             _module = load_inline(
-                f"pagedtrace_decode_{_cpu_tag()}", _SOURCE, functions=["decode"],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False,
+                f"pagedtrace_decode_{_cpu_tag()}",
+                _SOURCE,
+                functions=["decode"],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                verbose=False,
             )
         except Exception as exc:  # the build's own error types vary (RuntimeError, OSError, ...)
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            _error = (f"cannot build the compiled decode kernel (it needs a C++ compiler and "
-                      f"ninja): {first_line}")
+            _error = f"cannot build the compiled decode kernel (it needs a C++ compiler and ninja): {first_line}"
             raise CompiledKernelError(_error) from exc
         return _module
 
@@ -360,18 +362,39 @@ def paged_attention_compiled(
         ValueError: as :func:`paged_attention_fast`, and for a block id outside the cache
             in a decode row's used part of ``block_table``.
     """
-    kwargs = dict(scale=scale, causal=causal, window=window, softcap=softcap,
-                  alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                  compute_dtype=compute_dtype)
+    kwargs = dict(
+        scale=scale,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        compute_dtype=compute_dtype,
+    )
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     decode = [b for b, s in enumerate(lens) if s > 0 and q_lens[b] == 1]
-    covered = (key_cache.dtype == torch.bfloat16 and value_cache.dtype == torch.bfloat16
-               and compute_dtype in (torch.float32, torch.float64) and softcap <= 0
-               and alibi_slopes is None and query.shape[-1] in HEAD_SIZES)
+    covered = (
+        key_cache.dtype == torch.bfloat16
+        and value_cache.dtype == torch.bfloat16
+        and compute_dtype in (torch.float32, torch.float64)
+        and softcap <= 0
+        and alibi_slopes is None
+        and query.shape[-1] in HEAD_SIZES
+    )
     if not decode or not covered:
-        return paged_attention_fast(query, key_cache, value_cache, block_table, seq_lens,
-                                    query_start_loc, sinks=sinks, return_lse=return_lse, **kwargs)
+        return paged_attention_fast(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            sinks=sinks,
+            return_lse=return_lse,
+            **kwargs,
+        )
     module = load()
     check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
@@ -381,8 +404,9 @@ def paged_attention_compiled(
         # there, which leaves them untouched.
         others = seq_lens.clone()
         others[decode] = 0
-        out, lse = paged_attention_fast(query, key_cache, value_cache, block_table, others,
-                                        query_start_loc, return_lse=True, **kwargs)
+        out, lse = paged_attention_fast(
+            query, key_cache, value_cache, block_table, others, query_start_loc, return_lse=True, **kwargs
+        )
     else:
         out = torch.zeros(num_tokens, num_heads, head_size, dtype=compute_dtype)
         lse = torch.full((num_tokens, num_heads), -math.inf, dtype=compute_dtype)
@@ -395,13 +419,15 @@ def paged_attention_compiled(
     bad = used & ((table < 0) | (table >= num_blocks))
     if bool(bad.any()):
         i, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"block_table[{decode[i]}, {j}] = {int(table[i, j])} is not a block of "
-                         f"the cache (0..{num_blocks - 1})")
+        raise ValueError(
+            f"block_table[{decode[i]}, {j}] = {int(table[i, j])} is not a block of the cache (0..{num_blocks - 1})"
+        )
     left = window[0]
     firsts = (decode_lens - 1 - left).clamp_min(0) if left >= 0 else torch.zeros_like(decode_lens)
     q = query[rows].to(compute_dtype).reshape(len(decode), num_kv_heads, -1, head_size).contiguous()
-    o, part_lse = module.decode(q, key_cache.contiguous(), value_cache.contiguous(), table,
-                                decode_lens, firsts, float(scale))
+    o, part_lse = module.decode(
+        q, key_cache.contiguous(), value_cache.contiguous(), table, decode_lens, firsts, float(scale)
+    )
     o, part_lse = o.view(len(decode), num_heads, head_size), part_lse.view(len(decode), num_heads)
     out[rows], lse[rows] = o, part_lse
     if sinks is not None:

@@ -30,9 +30,7 @@ from reference_impl.kernel import combine_partitions
 __all__ = ["paged_attention_fast"]
 
 
-def _convert_into(
-    dst: torch.Tensor, src: torch.Tensor, scale: float
-) -> torch.Tensor:
+def _convert_into(dst: torch.Tensor, src: torch.Tensor, scale: float) -> torch.Tensor:
     """:func:`reference_impl.common.read_cache_as` into a reused buffer ``dst`` (same shape, compute dtype).
 
     A fresh tensor per gathered chunk costs page faults on every call; a buffer that
@@ -106,15 +104,14 @@ def _attend_decode(
     converted = torch.empty((width,) + key_cache.shape[1:], dtype=compute_dtype)
     views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
 
-    def read(cache: torch.Tensor, ids: torch.Tensor, cache_scale: float, m: int, skip: int,
-             n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        cache: torch.Tensor, ids: torch.Tensor, cache_scale: float, m: int, skip: int, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunk's ``[n, h, d]`` tokens, in the compute dtype, as ``[h, d, n]`` (for
         the logits) and ``[h, n, d]`` (for ``p @ v``) views of ``converted``."""
         if (m, skip, n) not in views:  # most chunks share one shape: build views once
             tokens = converted[:m].view(-1, num_kv_heads, head_size)[skip : skip + n]
-            views[m, skip, n] = (
-                raw[:m], converted[:m], tokens.permute(1, 2, 0), tokens.permute(1, 0, 2)
-            )
+            views[m, skip, n] = (raw[:m], converted[:m], tokens.permute(1, 2, 0), tokens.permute(1, 0, 2))
         raw_m, converted_m, by_dim, by_token = views[m, skip, n]
         torch.index_select(cache, 0, ids, out=raw_m)
         _convert_into(converted_m, raw_m, cache_scale)
@@ -158,7 +155,7 @@ class _WorkItem:
     against its logical blocks ``block_lo .. block_hi``; keys ``>= num_keys`` don't exist.
     ``split`` is True when those rows' keys are spread over several items."""
 
-    __slots__ = ("seq", "row0", "num_q", "pos0", "block_lo", "block_hi", "num_keys", "split")
+    __slots__ = ("block_hi", "block_lo", "num_keys", "num_q", "pos0", "row0", "seq", "split")
 
     def __init__(self, seq, row0, num_q, pos0, block_lo, block_hi, num_keys, split):
         self.seq, self.row0, self.num_q, self.pos0 = seq, row0, num_q, pos0
@@ -227,9 +224,7 @@ def _work_items(
             split = block_hi - block_lo > max_blocks
             for lo in range(block_lo, block_hi, max_blocks):
                 hi = min(lo + max_blocks, block_hi)
-                items.append(
-                    _WorkItem(b, starts[b] + i0, num_q, first_pos, lo, hi, seq_len, split)
-                )
+                items.append(_WorkItem(b, starts[b] + i0, num_q, first_pos, lo, hi, seq_len, split))
     return items
 
 
@@ -342,27 +337,40 @@ def paged_attention_fast(
 
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     # One-query rows (decode) take the flat path; the others are batched work items.
-    decode = [
-        (b, starts[b], s) for b, s in enumerate(lens) if starts[b + 1] - starts[b] == 1 and s > 0
-    ]
+    decode = [(b, starts[b], s) for b, s in enumerate(lens) if starts[b + 1] - starts[b] == 1 and s > 0]
     if decode:
         o, part_lse = _attend_decode(
-            query, key_cache, value_cache, block_table.tolist(), decode,
-            left=window[0], scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
-            k_scale=k_scale, v_scale=v_scale, compute_dtype=compute_dtype,
-            chunk_blocks=max(1, min(max_kv_elems, _DECODE_CHUNK_ELEMS * torch.get_num_threads())
-                             // (kv_row * block_size)),
+            query,
+            key_cache,
+            value_cache,
+            block_table.tolist(),
+            decode,
+            left=window[0],
+            scale=scale,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            compute_dtype=compute_dtype,
+            chunk_blocks=max(
+                1, min(max_kv_elems, _DECODE_CHUNK_ELEMS * torch.get_num_threads()) // (kv_row * block_size)
+            ),
         )
         rows = torch.tensor([row for _, row, _ in decode])
         out[rows], lse[rows] = o, part_lse
         lens = [0 if starts[b + 1] - starts[b] == 1 else s for b, s in enumerate(lens)]
     items = _work_items(
-        lens, starts, block_size, num_heads, kv_row, causal, window, max_kv_elems,
+        lens,
+        starts,
+        block_size,
+        num_heads,
+        kv_row,
+        causal,
+        window,
+        max_kv_elems,
         max_score_elems,
     )
-    for members in _group_items(
-        items, block_size, num_heads, kv_row, max_kv_elems, max_score_elems
-    ):
+    for members in _group_items(items, block_size, num_heads, kv_row, max_kv_elems, max_score_elems):
         if len(members) == 1:
             # One item: slice instead of gather, and cut K/V at the last existing key.
             it = members[0]
@@ -383,12 +391,12 @@ def paged_attention_fast(
             q_pos = torch.tensor([[it.pos0 + i for i in range(max_q)] for it in members])
             # Padding block columns read block 0 (never what the table holds there, which
             # may be garbage); their keys are masked.
-            physical = torch.stack([
-                torch.nn.functional.pad(
-                    block_rows[it.seq, it.block_lo : it.block_hi], (0, width - it.width)
-                )
-                for it in members
-            ])
+            physical = torch.stack(
+                [
+                    torch.nn.functional.pad(block_rows[it.seq, it.block_lo : it.block_hi], (0, width - it.width))
+                    for it in members
+                ]
+            )
             k = gather_blocks(key_cache, physical, k_scale, compute_dtype)  # [b, n, h, d]
             v = gather_blocks(value_cache, physical, v_scale, compute_dtype)
             first_key = torch.tensor([it.block_lo * block_size for it in members])
@@ -402,13 +410,18 @@ def paged_attention_fast(
 
         q = rows.view(rows.shape[0], rows.shape[1], num_kv_heads, group, head_size)
         q = q.permute(2, 0, 3, 1, 4).to(compute_dtype)  # [h, b, g, t, d]
-        all_seen = k_valid is None and all(
-            it.sees_all(block_size, causal, window) for it in members
-        )
+        all_seen = k_valid is None and all(it.sees_all(block_size, causal, window) for it in members)
         visible = None if all_seen else visibility(q_pos, k_pos, k_valid, causal, window)
         o, part_lse = attend_gathered(
-            q, q_pos, k, v, k_pos, visible,
-            scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+            q,
+            q_pos,
+            k,
+            v,
+            k_pos,
+            visible,
+            scale=scale,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
         )
         # [h, b, g, t, d] -> [b, t, H, D]
         o = o.permute(1, 3, 0, 2, 4).reshape(len(members), -1, num_heads, head_size)
@@ -422,9 +435,7 @@ def paged_attention_fast(
                 lse[it.row0 : it.row0 + it.num_q] = lse_i
 
     for (row0, num_q), parts in partials.items():
-        merged, merged_lse = combine_partitions(
-            torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-        )
+        merged, merged_lse = combine_partitions(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
         out[row0 : row0 + num_q] = merged
         lse[row0 : row0 + num_q] = merged_lse
 

@@ -37,14 +37,10 @@ def strided_bmm(x: torch.Tensor, y: torch.Tensor, transpose_y: bool) -> torch.Te
     num_heads, num_seqs = x.shape[0], x.shape[1]
     if num_seqs <= num_heads:
         parts = [
-            torch.bmm(x[:, i], y[i].permute(1, 2, 0) if transpose_y else y[i].permute(1, 0, 2))
-            for i in range(num_seqs)
+            torch.bmm(x[:, i], y[i].permute(1, 2, 0) if transpose_y else y[i].permute(1, 0, 2)) for i in range(num_seqs)
         ]
         return parts[0].unsqueeze(1) if num_seqs == 1 else torch.stack(parts, dim=1)
-    parts = [
-        torch.bmm(x[j], y[:, :, j].transpose(1, 2) if transpose_y else y[:, :, j])
-        for j in range(num_heads)
-    ]
+    parts = [torch.bmm(x[j], y[:, :, j].transpose(1, 2) if transpose_y else y[:, :, j]) for j in range(num_heads)]
     return torch.stack(parts)
 
 
@@ -135,9 +131,7 @@ def attend_gathered(
     return o, m_ref + torch.log(l)
 
 
-def gather_blocks(
-    cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype
-) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Gather whole blocks in the compute dtype.
 
     Args:

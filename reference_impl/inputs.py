@@ -100,12 +100,10 @@ class StepInputs:
     @property
     def args(self) -> tuple[torch.Tensor, ...]:
         """The six positional kernel arguments, in the reference signature's order."""
-        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens,
-                self.query_start_loc)
+        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens, self.query_start_loc)
 
 
-def step_inputs(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec,
-                layout: str) -> StepInputs:
+def step_inputs(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec, layout: str) -> StepInputs:
     """Read one (step, layer)'s captured tensors into kernel inputs.
 
     The captured ``kv_blocks`` are read from ``layout`` into canonical K/V caches and the
@@ -135,9 +133,18 @@ def step_inputs(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: K
     if query.shape[0] != int(query_start_loc[-1]):
         notes.append(f"query has {query.shape[0]} rows, query_start_loc ends at {int(query_start_loc[-1])}")
     options = KernelOptions.from_step(record, spec)
-    return StepInputs(query=query, key_cache=key_cache, value_cache=value_cache, block_table=table,
-                      seq_lens=seq_lens, query_start_loc=query_start_loc, kwargs=options.kwargs(),
-                      num_tokens=num, missing=tuple(missing), note="; ".join(notes))
+    return StepInputs(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=table,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        kwargs=options.kwargs(),
+        num_tokens=num,
+        missing=tuple(missing),
+        note="; ".join(notes),
+    )
 
 
 def reference_outputs(inputs: StepInputs, kernel: str = "fast") -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +154,8 @@ def reference_outputs(inputs: StepInputs, kernel: str = "fast") -> tuple[torch.T
     tolerance is ``TOL_K * max|baseline - reference| + TOL_EPS``.
     """
     block_size = inputs.key_cache.shape[1]
-    expected = run_kernel(kernel, *inputs.args, block_size=block_size, compute_dtype=REFERENCE_DTYPE,
-                           **inputs.kwargs)
-    baseline = run_kernel(kernel, *inputs.args, block_size=block_size,
-                           compute_dtype=baseline_dtype(inputs.query), **inputs.kwargs)
+    expected = run_kernel(kernel, *inputs.args, block_size=block_size, compute_dtype=REFERENCE_DTYPE, **inputs.kwargs)
+    baseline = run_kernel(
+        kernel, *inputs.args, block_size=block_size, compute_dtype=baseline_dtype(inputs.query), **inputs.kwargs
+    )
     return expected, baseline

@@ -184,9 +184,7 @@ def paged_attention_loop(
 # --------------------------------------------------------------------------- partitioned
 
 
-def combine_partitions(
-    outs: torch.Tensor, lses: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_partitions(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge attention computed over disjoint key sets, weighting by log-sum-exp.
 
     ``out = sum_p exp(lse_p - lse) * out_p`` with ``lse = log(sum_p exp(lse_p))``: the
@@ -275,8 +273,15 @@ def paged_attention_partitioned(
             v = v.masked_fill(~k_valid[:, :, None, None], 0.0)
             visible = visibility(q_pos, k_pos, k_valid, causal, window)
             o, part_lse = attend_gathered(
-                q, q_pos, k, v, k_pos, visible,
-                scale=scale, softcap=softcap, alibi_slopes=alibi_slopes,
+                q,
+                q_pos,
+                k,
+                v,
+                k_pos,
+                visible,
+                scale=scale,
+                softcap=softcap,
+                alibi_slopes=alibi_slopes,
             )
             part_outs.append(o[:, 0])  # [h, g, t, d]
             part_lses.append(part_lse[:, 0])  # [h, g, t]

@@ -41,34 +41,33 @@ from tracer.format.layouts import (
 )
 
 __all__ = [
-    "LAYOUT_FLASH_NHD",
-    "LAYOUT_FLASH_HND",
+    "LAYOUTS",
     "LAYOUT_CPU",
     "LAYOUT_CPU_AMX",
+    "LAYOUT_FLASH_HND",
+    "LAYOUT_FLASH_NHD",
     "LAYOUT_LEGACY",
-    "LAYOUTS",
-    "ComponentView",
-    "StoredTensor",
-    "LayoutDescription",
-    "flash_strides",
-    "flash_to_kv",
-    "kv_to_flash",
-    "cpu_to_kv",
-    "kv_to_cpu",
-    "cpu_amx_to_kv",
-    "kv_to_cpu_amx",
-    "cpu_layout_for",
-    "legacy_x",
-    "kv_to_legacy",
-    "legacy_to_kv",
-    "describe_layout",
-    "element_offset",
-    "dequant_fp8",
-    "read_kv",
     "READERS",
     "WRITERS",
+    "ComponentView",
+    "LayoutDescription",
+    "StoredTensor",
+    "cpu_amx_to_kv",
+    "cpu_layout_for",
+    "cpu_to_kv",
+    "dequant_fp8",
+    "describe_layout",
+    "element_offset",
+    "flash_strides",
+    "flash_to_kv",
+    "kv_to_cpu",
+    "kv_to_cpu_amx",
+    "kv_to_flash",
+    "kv_to_legacy",
+    "legacy_to_kv",
+    "legacy_x",
+    "read_kv",
 ]
-
 
 
 def _packed(t: torch.Tensor) -> torch.Tensor:
@@ -106,17 +105,13 @@ def flash_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, t
         copies in ``kv_cache.dtype``.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
-        raise ValueError(
-            f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}"
-        )
+        raise ValueError(f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}")
     # Same view FlashAttentionImpl.forward takes: transpose(1, 2).split(D, -1).
     key_view, value_view = kv_cache.transpose(1, 2).split(head_size, dim=-1)
     return key_view.contiguous(), value_view.contiguous()
 
 
-def kv_to_flash(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str = "NHD"
-) -> torch.Tensor:
+def kv_to_flash(key_cache: torch.Tensor, value_cache: torch.Tensor, layout: str = "NHD") -> torch.Tensor:
     """Pack canonical K and V caches into FlashAttention's cache with real vLLM strides.
 
     Args:
@@ -156,9 +151,7 @@ def cpu_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, tor
         contiguous, in ``kv_cache.dtype``.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
-        raise ValueError(
-            f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}"
-        )
+        raise ValueError(f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}")
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     region = kv_cache.reshape(num_blocks, num_kv_heads, 2 * block_size * head_size)
     half = block_size * head_size
@@ -200,9 +193,7 @@ def cpu_amx_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor,
         ``(key_cache, value_cache)``, each ``[num_blocks, block_size, H_kv, D]``, contiguous.
     """
     if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
-        raise ValueError(
-            f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}"
-        )
+        raise ValueError(f"expected [num_blocks, H_kv, block_size, 2*{head_size}], got {tuple(kv_cache.shape)}")
     num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     check_amx_shape(block_size, head_size)
     nb, nh, bs, d = num_blocks, num_kv_heads, block_size, head_size
@@ -236,9 +227,7 @@ def kv_to_cpu_amx(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.T
     return _packed(region.reshape(nb, nh, bs, 2 * d))
 
 
-def cpu_layout_for(
-    dtype: torch.dtype, block_size: int, head_size: int, amx_supported: bool
-) -> str:
+def cpu_layout_for(dtype: torch.dtype, block_size: int, head_size: int, amx_supported: bool) -> str:
     """Which CPU layout vLLM 0.26's ``_get_attn_isa`` leads to on an x86 host.
 
     ``amx_supported`` is ``torch.cpu._is_amx_tile_supported()`` on the traced host. A head
@@ -265,9 +254,7 @@ def legacy_x(dtype: torch.dtype) -> int:
     return 16 // _element_size(dtype)
 
 
-def kv_to_legacy(
-    key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_to_legacy(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Write canonical caches in ``PagedAttention.split_kv_cache``'s layout.
 
     Args:
@@ -291,9 +278,7 @@ def kv_to_legacy(
     return key_legacy, value_legacy
 
 
-def legacy_to_kv(
-    key_legacy: torch.Tensor, value_legacy: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def legacy_to_kv(key_legacy: torch.Tensor, value_legacy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Read ``PagedAttention.split_kv_cache``'s caches into the canonical form.
 
     Args:
@@ -311,9 +296,7 @@ def legacy_to_kv(
     num_blocks, num_kv_heads, d_over_x, block_size, x = key_legacy.shape
     if x != legacy_x(key_legacy.dtype):
         raise ValueError(f"last key dim is {x}, expected x={legacy_x(key_legacy.dtype)}")
-    key_cache = key_legacy.permute(0, 3, 1, 2, 4).reshape(
-        num_blocks, block_size, num_kv_heads, d_over_x * x
-    )
+    key_cache = key_legacy.permute(0, 3, 1, 2, 4).reshape(num_blocks, block_size, num_kv_heads, d_over_x * x)
     value_cache = value_legacy.permute(0, 3, 1, 2).contiguous()
     return key_cache.contiguous(), value_cache
 

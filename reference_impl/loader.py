@@ -38,8 +38,9 @@ def load_kernel(spec: str) -> Callable[..., Any]:
             where = "" if exc.name != module_name.split(".")[0] else " (is it on PYTHONPATH?)"
             raise ValueError(f"kernel {spec!r}: cannot import {module_name!r}: {exc}{where}") from None
         except Exception as exc:  # the module's own code failed
-            raise ValueError(f"kernel {spec!r}: importing {module_name!r} failed: "
-                             f"{type(exc).__name__}: {exc}") from None
+            raise ValueError(
+                f"kernel {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+            ) from None
     obj: Any = module
     for part in attr.split("."):
         try:
@@ -66,4 +67,3 @@ def _import_file(path: Path, spec: str) -> Any:
         del sys.modules[name]
         raise ValueError(f"kernel {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from None
     return module
-

@@ -46,8 +46,7 @@ import pytest
 
 from reference_impl import replay as _replay
 from reference_impl import testing as _testing
-from tracer.format import StepRecord, TraceError
-from tracer.format import Trace
+from tracer.format import StepRecord, Trace, TraceError
 
 
 @dataclass
@@ -78,13 +77,25 @@ _STATE = pytest.StashKey[_State]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     """``--pagedtrace-trace``, ``--pagedtrace-kernel``, ``--pagedtrace-device``."""
     group = parser.getgroup("pagedtrace", "check a paged-attention kernel against captured vLLM steps")
-    group.addoption("--pagedtrace-trace", action="append", default=[], metavar="DIR",
-                    help="trace directory recorded with tensors on; one test per captured request step "
-                         "(repeatable)")
-    group.addoption("--pagedtrace-kernel", default=None, metavar="MODULE:FUNCTION",
-                    help="the kernel to check, e.g. mypkg.attn:paged_attention or ./attn.py:paged_attention")
-    group.addoption("--pagedtrace-device", default=None, metavar="DEVICE",
-                    help="move each case's inputs to DEVICE (e.g. cuda) before calling the kernel")
+    group.addoption(
+        "--pagedtrace-trace",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="trace directory recorded with tensors on; one test per captured request step (repeatable)",
+    )
+    group.addoption(
+        "--pagedtrace-kernel",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="the kernel to check, e.g. mypkg.attn:paged_attention or ./attn.py:paged_attention",
+    )
+    group.addoption(
+        "--pagedtrace-device",
+        default=None,
+        metavar="DEVICE",
+        help="move each case's inputs to DEVICE (e.g. cuda) before calling the kernel",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -121,11 +132,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "pagedtrace_case" not in metafunc.fixturenames:
         return
     state = metafunc.config.stash[_STATE]
-    params = [pytest.param((source, record), id=_testing.case_id(source.trace, record))
-              for source in state.sources for record in source.records]
+    params = [
+        pytest.param((source, record), id=_testing.case_id(source.trace, record))
+        for source in state.sources
+        for record in source.records
+    ]
     if not params:
-        params = [pytest.param(None, id="no-trace",
-                               marks=pytest.mark.skip(reason="no trace given: pass --pagedtrace-trace DIR"))]
+        params = [
+            pytest.param(
+                None, id="no-trace", marks=pytest.mark.skip(reason="no trace given: pass --pagedtrace-trace DIR")
+            )
+        ]
     metafunc.parametrize("pagedtrace_case", params, indirect=True)
 
 

@@ -59,32 +59,39 @@ __all__ = [
     "KERNELS",
     "LAYOUT_CPU_AMX",
     "REFERENCE_DTYPE",
-    "TOL_K",
-    "TOL_EPS",
     "TOLERANCE",
+    "TOL_EPS",
+    "TOL_K",
     "HeadResult",
-    "StepResult",
-    "WriteCheck",
     "LegacyCheck",
     "ReplayReport",
-    "replay_trace",
-    "replay_record",
-    "check_write_path",
-    "check_legacy_path",
-    "resolve_layout",
-    "read_cache",
-    "compact_block_table",
     "StepInputs",
-    "step_inputs",
-    "reference_outputs",
+    "StepResult",
+    "WriteCheck",
+    "check_legacy_path",
+    "check_write_path",
+    "compact_block_table",
     "kv_spec",
-    "select_records",
+    "read_cache",
+    "reference_outputs",
+    "replay_record",
+    "replay_trace",
+    "resolve_layout",
     "save_report",
+    "select_records",
+    "step_inputs",
 ]
 
 
-def replay_record(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec, layout: str,
-                  *, kernel: str = "fast", check_legacy: bool = True) -> tuple[StepResult, LegacyCheck | None]:
+def replay_record(
+    record: StepRecord,
+    tensors: Mapping[str, torch.Tensor],
+    spec: KVCacheSpec,
+    layout: str,
+    *,
+    kernel: str = "fast",
+    check_legacy: bool = True,
+) -> tuple[StepResult, LegacyCheck | None]:
     """Rerun one (step, layer)'s attention and judge vLLM's ``output``.
 
     Args:
@@ -107,34 +114,54 @@ def replay_record(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec:
     # Per-head scale for the relative error: the largest |reference| value of that head.
     ref_scale = expected[:num].abs().amax(dim=(0, 2)) if num else torch.zeros(inputs.query.shape[1])
     heads = tuple(
-        HeadResult(head=h, ok=bool(err <= verdict["tol"]), max_abs=err,
-                   max_rel=err / float(s) if float(s) > 0 else (0.0 if err == 0 else math.inf))
+        HeadResult(
+            head=h,
+            ok=bool(err <= verdict["tol"]),
+            max_abs=err,
+            max_rel=err / float(s) if float(s) > 0 else (0.0 if err == 0 else math.inf),
+        )
         for h, (err, s) in enumerate(zip(verdict["per_head_max_abs"], ref_scale.tolist()))
     )
     result = StepResult(
-        step=record.step, layer=record.layer, kind=record.kind, num_tokens=num, num_reqs=record.num_reqs,
-        ok=bool(verdict["ok"]) and not inputs.missing, max_abs=verdict["max_abs"], max_rel=verdict["max_rel"],
-        tol=verdict["tol"], baseline_max_abs=verdict["baseline_max_abs"], heads=heads, note=inputs.note,
+        step=record.step,
+        layer=record.layer,
+        kind=record.kind,
+        num_tokens=num,
+        num_reqs=record.num_reqs,
+        ok=bool(verdict["ok"]) and not inputs.missing,
+        max_abs=verdict["max_abs"],
+        max_rel=verdict["max_rel"],
+        tol=verdict["tol"],
+        baseline_max_abs=verdict["baseline_max_abs"],
+        heads=heads,
+        note=inputs.note,
     )
     legacy = None
     if check_legacy:
-        legacy = check_legacy_path(record, inputs.key_cache, inputs.value_cache, inputs.block_table, expected,
-                                   inputs.query, spec, kernel)
+        legacy = check_legacy_path(
+            record, inputs.key_cache, inputs.value_cache, inputs.block_table, expected, inputs.query, spec, kernel
+        )
     return result, legacy
 
 
 # --------------------------------------------------------------------------- driver
 
 
-def _selected(record: StepRecord, steps: tuple[int | None, int | None] | None,
-              layers: Iterable[str | int] | None) -> bool:
+def _selected(
+    record: StepRecord, steps: tuple[int | None, int | None] | None, layers: Iterable[str | int] | None
+) -> bool:
     if steps is not None and not step_in_range(record.step, steps):
         return False
     return layers is None or layer_matches(record.layer, set(layers))
 
 
-def select_records(trace: Trace, *, steps: tuple[int | None, int | None] | None = None,
-                   layers: Iterable[str | int] | None = None, kind: str | None = None) -> list[StepRecord]:
+def select_records(
+    trace: Trace,
+    *,
+    steps: tuple[int | None, int | None] | None = None,
+    layers: Iterable[str | int] | None = None,
+    kind: str | None = None,
+) -> list[StepRecord]:
     """The records of ``trace`` in a half-open ``steps`` range, of the given ``layers`` and ``kind``.
 
     Args:
@@ -184,14 +211,21 @@ def replay_trace(
     layers = None if layers is None else tuple(layers)
     selected = select_records(trace, steps=steps, layers=layers)
     if not selected:
-        raise TraceError(f"{trace.path}: no recorded step matches the selection "
-                         f"(steps {_fmt_range(steps)}, layers {','.join(map(str, layers or ())) or 'all'})")
+        raise TraceError(
+            f"{trace.path}: no recorded step matches the selection "
+            f"(steps {_fmt_range(steps)}, layers {','.join(map(str, layers or ())) or 'all'})"
+        )
     with_tensors = [r for r in selected if r.tensors is not None]
     if not with_tensors:
-        raise TraceError(f"{trace.path}: no tensors captured for the {len(selected)} selected step(s); "
-                         "replay needs a trace recorded with tensors on (`pagedtrace run` without --no-tensors)")
-    skipped = tuple(f"step {r.step} {r.layer}: no tensors (tensor budget spent or not a request step)"
-                    for r in selected if r.tensors is None)
+        raise TraceError(
+            f"{trace.path}: no tensors captured for the {len(selected)} selected step(s); "
+            "replay needs a trace recorded with tensors on (`pagedtrace run` without --no-tensors)"
+        )
+    skipped = tuple(
+        f"step {r.step} {r.layer}: no tensors (tensor budget spent or not a request step)"
+        for r in selected
+        if r.tensors is None
+    )
     read_layout = layout if layout is not None else resolve_layout(trace, with_tensors)
 
     results: list[StepResult] = []
@@ -199,8 +233,7 @@ def replay_trace(
     legacies: list[LegacyCheck] = []
     for done, record in enumerate(with_tensors, 1):
         tensors = trace.tensors(record)
-        result, legacy = replay_record(record, tensors, spec, read_layout, kernel=kernel,
-                                       check_legacy=check_legacy)
+        result, legacy = replay_record(record, tensors, spec, read_layout, kernel=kernel, check_legacy=check_legacy)
         results.append(result)
         if legacy is not None:
             legacies.append(legacy)
@@ -211,8 +244,14 @@ def replay_trace(
         if progress is not None:
             progress(done, len(with_tensors), result)
     return ReplayReport(
-        kernel=kernel, layout=read_layout, recorded_layout=spec.layout, steps=tuple(results),
-        tolerance=TOLERANCE, write_path=tuple(writes), legacy=tuple(legacies), skipped=skipped,
+        kernel=kernel,
+        layout=read_layout,
+        recorded_layout=spec.layout,
+        steps=tuple(results),
+        tolerance=TOLERANCE,
+        write_path=tuple(writes),
+        legacy=tuple(legacies),
+        skipped=skipped,
         seconds=time.perf_counter() - started,
     )
 

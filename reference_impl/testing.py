@@ -88,19 +88,19 @@ from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, compare
 from tracer.format import CaseResult, StepRecord, Trace, TraceError, layer_index
 
 __all__ = [
-    "KernelCase",
     "CaseResult",
+    "KernelCase",
     "KernelReport",
-    "load_cases",
-    "load_case",
-    "iter_cases",
+    "assert_kernel_matches",
     "case_id",
     "case_records",
     "check_kernel",
-    "assert_kernel_matches",
     "check_trace",
+    "iter_cases",
     "kernel_kwargs",
     "kernel_name",
+    "load_case",
+    "load_cases",
     "load_kernel",
 ]
 
@@ -123,7 +123,9 @@ class KernelCase:
     kind: str  #: ``StepRecord.kind``
     layout: str  #: the layout the captured blocks were read from
     query: torch.Tensor  #: ``[T, H, D]``, as captured
-    key_cache: torch.Tensor  #: ``[nb, bs, H_kv, D]``, the step's blocks (a zero block appended if some were not captured)
+    key_cache: (
+        torch.Tensor
+    )  #: ``[nb, bs, H_kv, D]``, the step's blocks (a zero block appended if some were not captured)
     value_cache: torch.Tensor  #: ``[nb, bs, H_kv, D]``
     block_table: torch.Tensor  #: ``[B, max_blocks]`` int32, rows of the compact cache; 0 past each sequence's blocks
     seq_lens: torch.Tensor  #: ``[B]`` int32
@@ -142,8 +144,10 @@ class KernelCase:
     note: str = ""  #: what is odd about the step (blocks the table names that were not captured ...)
 
     def __repr__(self) -> str:
-        return (f"KernelCase({self.id!r}, query={list(self.query.shape)}, "
-                f"key_cache={list(self.key_cache.shape)}, block_table={list(self.block_table.shape)})")
+        return (
+            f"KernelCase({self.id!r}, query={list(self.query.shape)}, "
+            f"key_cache={list(self.key_cache.shape)}, block_table={list(self.block_table.shape)})"
+        )
 
     @property
     def num_reqs(self) -> int:
@@ -158,8 +162,7 @@ class KernelCase:
     @property
     def args(self) -> tuple[torch.Tensor, ...]:
         """The six positional kernel arguments, in the reference signature's order."""
-        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens,
-                self.query_start_loc)
+        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens, self.query_start_loc)
 
     def inputs(self, device: str | torch.device | None = None) -> tuple[torch.Tensor, ...]:
         """:attr:`args`, moved to ``device`` (None: where they are, the CPU)."""
@@ -204,18 +207,38 @@ def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) ->
     expected = tensors["output"]
     verdict = compare(expected[:num], reference[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
     return KernelCase(
-        id=case_id(trace, record), trace=str(trace.path), step=record.step, layer=record.layer, kind=record.kind,
-        layout=layout, query=inputs.query, key_cache=inputs.key_cache, value_cache=inputs.value_cache,
-        block_table=inputs.block_table.to(torch.int32), seq_lens=inputs.seq_lens.to(torch.int32),
-        query_start_loc=inputs.query_start_loc.to(torch.int32), kwargs=MappingProxyType(dict(inputs.kwargs)),
-        expected=expected, reference=reference, baseline=baseline, num_tokens=num, tol=verdict["tol"],
-        baseline_max_abs=verdict["baseline_max_abs"], vllm_max_abs=verdict["max_abs"],
-        physical_block_ids=tuple(int(b) for b in tensors["kv_block_ids"].tolist()), note=inputs.note,
+        id=case_id(trace, record),
+        trace=str(trace.path),
+        step=record.step,
+        layer=record.layer,
+        kind=record.kind,
+        layout=layout,
+        query=inputs.query,
+        key_cache=inputs.key_cache,
+        value_cache=inputs.value_cache,
+        block_table=inputs.block_table.to(torch.int32),
+        seq_lens=inputs.seq_lens.to(torch.int32),
+        query_start_loc=inputs.query_start_loc.to(torch.int32),
+        kwargs=MappingProxyType(dict(inputs.kwargs)),
+        expected=expected,
+        reference=reference,
+        baseline=baseline,
+        num_tokens=num,
+        tol=verdict["tol"],
+        baseline_max_abs=verdict["baseline_max_abs"],
+        vllm_max_abs=verdict["max_abs"],
+        physical_block_ids=tuple(int(b) for b in tensors["kv_block_ids"].tolist()),
+        note=inputs.note,
     )
 
 
-def case_records(trace: Trace, *, kind: str | None = "request", layers: Iterable[str | int] | None = None,
-                 steps: tuple[int | None, int | None] | None = None) -> list[StepRecord]:
+def case_records(
+    trace: Trace,
+    *,
+    kind: str | None = "request",
+    layers: Iterable[str | int] | None = None,
+    steps: tuple[int | None, int | None] | None = None,
+) -> list[StepRecord]:
     """The records :func:`load_cases` would load (selected, with tensors), without reading tensors.
 
     Raises:
@@ -225,14 +248,20 @@ def case_records(trace: Trace, *, kind: str | None = "request", layers: Iterable
     with_tensors = [r for r in selected if r.tensors is not None]
     if not with_tensors:
         what = f"{len(selected)} selected {kind or ''} step(s)".replace("  ", " ")
-        raise TraceError(f"{trace.path}: no tensors captured for the {what}; kernel checks need a trace "
-                         "recorded with tensors on (`pagedtrace run` without --no-tensors)")
+        raise TraceError(
+            f"{trace.path}: no tensors captured for the {what}; kernel checks need a trace "
+            "recorded with tensors on (`pagedtrace run` without --no-tensors)"
+        )
     return with_tensors
 
 
-def iter_cases(trace: Trace | str | os.PathLike[str], *, kind: str | None = "request",
-               layers: Iterable[str | int] | None = None,
-               steps: tuple[int | None, int | None] | None = None) -> Iterator[KernelCase]:
+def iter_cases(
+    trace: Trace | str | os.PathLike[str],
+    *,
+    kind: str | None = "request",
+    layers: Iterable[str | int] | None = None,
+    steps: tuple[int | None, int | None] | None = None,
+) -> Iterator[KernelCase]:
     """Like :func:`load_cases`, one case at a time (only one step's tensors in memory)."""
     trace = _open(trace)
     records = case_records(trace, kind=kind, layers=layers, steps=steps)
@@ -241,9 +270,13 @@ def iter_cases(trace: Trace | str | os.PathLike[str], *, kind: str | None = "req
         yield load_case(trace, record, layout=layout)
 
 
-def load_cases(trace: Trace | str | os.PathLike[str], *, kind: str | None = "request",
-               layers: Iterable[str | int] | None = None,
-               steps: tuple[int | None, int | None] | None = None) -> list[KernelCase]:
+def load_cases(
+    trace: Trace | str | os.PathLike[str],
+    *,
+    kind: str | None = "request",
+    layers: Iterable[str | int] | None = None,
+    steps: tuple[int | None, int | None] | None = None,
+) -> list[KernelCase]:
     """Every captured (step, layer) of a trace that has tensors, as kernel cases.
 
     Args:
@@ -285,25 +318,38 @@ def kernel_kwargs(fn: Callable[..., Any], case: KernelCase) -> dict[str, Any]:
         return kwargs
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return kwargs
-    declared = {p.name for p in params
-                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    declared = {
+        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
     out = {}
     for name, value in kwargs.items():
         if name in declared:
             out[name] = value
         elif not changes_nothing(name, value, fp8_cache=case.key_cache.dtype in FP8_STORAGE):
-            raise TypeError(f"{kernel_name(fn)} takes no {name!r} argument, but {case.id} needs "
-                            f"{name}={value!r}")
+            raise TypeError(f"{kernel_name(fn)} takes no {name!r} argument, but {case.id} needs {name}={value!r}")
     return out
 
 
 def _failed(case: KernelCase, name: str, note: str) -> CaseResult:
     """A result for a kernel that returned nothing comparable."""
     return CaseResult(
-        id=case.id, kernel=name, step=case.step, layer=case.layer, kind=case.kind, num_reqs=case.num_reqs,
-        num_tokens=case.num_tokens, ok=False, max_abs=math.inf, max_rel=math.inf, tol=case.tol,
-        baseline_max_abs=case.baseline_max_abs, vllm_max_abs=math.inf, vllm_ref_max_abs=case.vllm_max_abs,
-        tol_k=case.tol_k, tol_eps=case.tol_eps, note=note,
+        id=case.id,
+        kernel=name,
+        step=case.step,
+        layer=case.layer,
+        kind=case.kind,
+        num_reqs=case.num_reqs,
+        num_tokens=case.num_tokens,
+        ok=False,
+        max_abs=math.inf,
+        max_rel=math.inf,
+        tol=case.tol,
+        baseline_max_abs=case.baseline_max_abs,
+        vllm_max_abs=math.inf,
+        vllm_ref_max_abs=case.vllm_max_abs,
+        tol_k=case.tol_k,
+        tol_eps=case.tol_eps,
+        note=note,
     )
 
 
@@ -320,24 +366,39 @@ def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
         # NaN ranks above every finite error, so the first NaN is where the report points.
         flat = int(torch.nan_to_num(err, nan=math.inf).flatten().argmax())
         token, head, dim = (int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
-        request = int(torch.searchsorted(case.query_start_loc, torch.tensor(token, dtype=torch.int32),
-                                         right=True)) - 1
+        request = int(torch.searchsorted(case.query_start_loc, torch.tensor(token, dtype=torch.int32), right=True)) - 1
         worst = (token, head, dim, request)
     max_abs = float(err.max()) if err.numel() else 0.0  # NaN-propagating, unlike compare's
     vllm = float((out.double() - case.expected[:num].double()).abs().max()) if err.numel() else 0.0
     ok = bool(verdict["ok"]) and nonfinite == 0 and not math.isnan(max_abs)
     notes = [case.note] if case.note else []
     return CaseResult(
-        id=case.id, kernel=name, step=case.step, layer=case.layer, kind=case.kind, num_reqs=case.num_reqs,
-        num_tokens=num, ok=ok, max_abs=max_abs, max_rel=verdict["max_rel"], tol=verdict["tol"],
-        baseline_max_abs=verdict["baseline_max_abs"], vllm_max_abs=vllm, vllm_ref_max_abs=case.vllm_max_abs,
+        id=case.id,
+        kernel=name,
+        step=case.step,
+        layer=case.layer,
+        kind=case.kind,
+        num_reqs=case.num_reqs,
+        num_tokens=num,
+        ok=ok,
+        max_abs=max_abs,
+        max_rel=verdict["max_rel"],
+        tol=verdict["tol"],
+        baseline_max_abs=verdict["baseline_max_abs"],
+        vllm_max_abs=vllm,
+        vllm_ref_max_abs=case.vllm_max_abs,
         heads=tuple(float(h) for h in err.amax(dim=(0, 2)).tolist()) if err.numel() else (),
-        worst=worst, nonfinite=nonfinite, tol_k=case.tol_k, tol_eps=case.tol_eps, note="; ".join(notes),
+        worst=worst,
+        nonfinite=nonfinite,
+        tol_k=case.tol_k,
+        tol_eps=case.tol_eps,
+        note="; ".join(notes),
     )
 
 
-def check_kernel(fn: Callable[..., Any], case: KernelCase, *,
-                 device: str | torch.device | None = None, name: str | None = None) -> CaseResult:
+def check_kernel(
+    fn: Callable[..., Any], case: KernelCase, *, device: str | torch.device | None = None, name: str | None = None
+) -> CaseResult:
     """Run ``fn`` on ``case`` and judge its output (see the module docstring).
 
     Args:
@@ -362,15 +423,20 @@ def check_kernel(fn: Callable[..., Any], case: KernelCase, *,
         return _failed(case, name, f"the kernel returned {type(out).__name__}, not a tensor")
     num_tokens, num_heads, head_size = case.query.shape
     if out.dim() != 3 or out.shape[0] < case.num_tokens or tuple(out.shape[1:]) != (num_heads, head_size):
-        return _failed(case, name, f"the kernel returned shape {list(out.shape)}; expected "
-                                   f"[{num_tokens}, {num_heads}, {head_size}] (query's shape)")
+        return _failed(
+            case,
+            name,
+            f"the kernel returned shape {list(out.shape)}; expected "
+            f"[{num_tokens}, {num_heads}, {head_size}] (query's shape)",
+        )
     if out.is_complex() or not out.is_floating_point():
         return _failed(case, name, f"the kernel returned dtype {out.dtype}; expected a float tensor")
     return _judge(out.detach().cpu(), case, name)
 
 
-def assert_kernel_matches(fn: Callable[..., Any], case: KernelCase, *,
-                          device: str | torch.device | None = None, name: str | None = None) -> CaseResult:
+def assert_kernel_matches(
+    fn: Callable[..., Any], case: KernelCase, *, device: str | torch.device | None = None, name: str | None = None
+) -> CaseResult:
     """:func:`check_kernel`, raising ``AssertionError`` with the readable verdict on a mismatch.
 
     Returns:
@@ -403,17 +469,28 @@ class KernelReport:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict."""
-        return {"ok": self.ok, "kernel": self.kernel, "trace": self.trace, "layout": self.layout,
-                "tolerance": {"k": TOL_K, "eps": TOL_EPS,
-                              "reference_dtype": str(REFERENCE_DTYPE).removeprefix("torch.")},
-                "seconds": round(self.seconds, 3), "cases": [r.to_json() for r in self.results]}
+        return {
+            "ok": self.ok,
+            "kernel": self.kernel,
+            "trace": self.trace,
+            "layout": self.layout,
+            "tolerance": {"k": TOL_K, "eps": TOL_EPS, "reference_dtype": str(REFERENCE_DTYPE).removeprefix("torch.")},
+            "seconds": round(self.seconds, 3),
+            "cases": [r.to_json() for r in self.results],
+        }
 
 
-def check_trace(fn: Callable[..., Any], trace: Trace | str | os.PathLike[str], *,
-                kind: str | None = "request", layers: Iterable[str | int] | None = None,
-                steps: tuple[int | None, int | None] | None = None,
-                device: str | torch.device | None = None, name: str | None = None,
-                progress: Callable[[int, int, CaseResult], None] | None = None) -> KernelReport:
+def check_trace(
+    fn: Callable[..., Any],
+    trace: Trace | str | os.PathLike[str],
+    *,
+    kind: str | None = "request",
+    layers: Iterable[str | int] | None = None,
+    steps: tuple[int | None, int | None] | None = None,
+    device: str | torch.device | None = None,
+    name: str | None = None,
+    progress: Callable[[int, int, CaseResult], None] | None = None,
+) -> KernelReport:
     """Check ``fn`` on every case of a trace; an exception from ``fn`` fails that case.
 
     Args:
@@ -440,5 +517,6 @@ def check_trace(fn: Callable[..., Any], trace: Trace | str | os.PathLike[str], *
         results.append(result)
         if progress is not None:
             progress(done, len(records), result)
-    return KernelReport(kernel=name, trace=str(trace.path), layout=layout, results=tuple(results),
-                        seconds=time.perf_counter() - started)
+    return KernelReport(
+        kernel=name, trace=str(trace.path), layout=layout, results=tuple(results), seconds=time.perf_counter() - started
+    )

@@ -30,9 +30,7 @@ REFERENCE_DTYPE = torch.float64
 TOLERANCE = Tolerance(k=TOL_K, eps=TOL_EPS, reference_dtype=str(REFERENCE_DTYPE).removeprefix("torch."))
 
 
-def tolerance(
-    expected: torch.Tensor, baseline: torch.Tensor, k: float = 2.0, eps: float = 1e-5
-) -> float:
+def tolerance(expected: torch.Tensor, baseline: torch.Tensor, k: float = 2.0, eps: float = 1e-5) -> float:
     """Allowed max-abs error: ``k * max|baseline - expected| + eps``.
 
     ``baseline`` is the same math run in low precision (bf16/fp16), ``expected`` the

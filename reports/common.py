@@ -119,7 +119,6 @@ def highlight(text: str) -> list[list[Token]]:
     return out
 
 
-
 def range_text(lo: int, hi: int) -> str:
     """``lo`` alone, or ``lo–hi``."""
     return str(lo) if lo == hi else f"{lo}–{hi}"
@@ -133,4 +132,3 @@ def first_records(trace: Trace) -> list[StepRecord]:
         if r.step not in by_step or (r.layer == primary and by_step[r.step].layer != primary):
             by_step[r.step] = r
     return [by_step[s] for s in sorted(by_step)]
-

@@ -87,9 +87,16 @@ def gap_groups(gaps: list[GapRecord], cudagraph_mode: str) -> tuple[GapGroup, ..
     out = []
     for (kind, reason), members in groups.items():
         explanation = GAP_EXPLANATIONS.get(reason.split(":", 1)[0].strip(), "")
-        out.append(GapGroup(kind, reason, steps_text([g.step for g in members]), len(members),
-                            _tokens_text([g.num_tokens for g in members]),
-                            explanation.format(mode=cudagraph_mode, advice=_REPLAY_ADVICE["FULL" in cudagraph_mode])))
+        out.append(
+            GapGroup(
+                kind,
+                reason,
+                steps_text([g.step for g in members]),
+                len(members),
+                _tokens_text([g.num_tokens for g in members]),
+                explanation.format(mode=cudagraph_mode, advice=_REPLAY_ADVICE["FULL" in cudagraph_mode]),
+            )
+        )
     return tuple(out)
 
 
@@ -107,8 +114,22 @@ def _gap_rows(gaps: list[GapRecord]) -> list[StepRow]:
         tokens = [g.num_tokens for g in run]
         text = "" if not any(tokens) else _tokens_text(tokens)
         label = range_text(run[0].step, run[-1].step)
-        rows.append(StepRow(run[0].step, run[0].kind, False, 0, "", text, "", "",
-                            Verdict("none", run[0].reason), "", label, len(run)))
+        rows.append(
+            StepRow(
+                run[0].step,
+                run[0].kind,
+                False,
+                0,
+                "",
+                text,
+                "",
+                "",
+                Verdict("none", run[0].reason),
+                "",
+                label,
+                len(run),
+            )
+        )
     return rows
 
 
@@ -153,8 +174,11 @@ def _summary_rows(trace: Trace) -> tuple[Row, ...]:
         rows += [
             Row("model", m.name),
             Row("architecture", ", ".join(m.architectures)),
-            Row("shape", f"{m.num_layers} layers, {m.num_attention_heads} query heads, {m.num_kv_heads} KV heads, "
-                         f"head size {m.head_size}, hidden {m.hidden_size}"),
+            Row(
+                "shape",
+                f"{m.num_layers} layers, {m.num_attention_heads} query heads, {m.num_kv_heads} KV heads, "
+                f"head size {m.head_size}, hidden {m.hidden_size}",
+            ),
             Row("dtype / weights", f"{m.dtype} / {m.weights}"),
         ]
     rows += [
@@ -163,10 +187,15 @@ def _summary_rows(trace: Trace) -> tuple[Row, ...]:
         Row("FlashAttention version", f"FA{run.flash_attn_version}" if run.flash_attn_version else "none"),
         Row("CUDA graphs", f"{run.cudagraph_mode}{' (enforce_eager)' if run.enforce_eager else ''}"),
         Row("versions", f"vLLM {run.vllm_version}, torch {run.torch_version}, pagedtrace {run.pagedtrace_version}"),
-        Row("layers traced",
-            f"{len(trace.layers)}: {', '.join(trace.layers[:4])}{' …' if len(trace.layers) > 4 else ''}"),
-        Row("recorded", f"{len({r.step for r in trace.records})} steps ({len(trace.records)} layer records), "
-                        f"{len(trace.gaps)} gap{'' if len(trace.gaps) == 1 else 's'}"),
+        Row(
+            "layers traced",
+            f"{len(trace.layers)}: {', '.join(trace.layers[:4])}{' …' if len(trace.layers) > 4 else ''}",
+        ),
+        Row(
+            "recorded",
+            f"{len({r.step for r in trace.records})} steps ({len(trace.records)} layer records), "
+            f"{len(trace.gaps)} gap{'' if len(trace.gaps) == 1 else 's'}",
+        ),
         Row("created", run.created_at),
         Row("trace", str(trace.path)),
     ]
@@ -180,8 +209,11 @@ def _kv_rows(spec: KVCacheSpec | None) -> tuple[Row, ...]:
     return (
         Row("blocks x block size", f"{spec.num_blocks} x {spec.block_size} tokens"),
         Row("KV heads x head size", f"{spec.num_kv_heads} x {spec.head_size}"),
-        Row("dtype", f"{spec.dtype} ({spec.element_size} B), kv_cache_dtype={spec.cache_dtype}, "
-                     f"k_scale={spec.k_scale:g}, v_scale={spec.v_scale:g}"),
+        Row(
+            "dtype",
+            f"{spec.dtype} ({spec.element_size} B), kv_cache_dtype={spec.cache_dtype}, "
+            f"k_scale={spec.k_scale:g}, v_scale={spec.v_scale:g}",
+        ),
         Row("logical shape", str(tuple(spec.shape))),
         Row("strides", str(tuple(spec.stride))),
         Row("backend shape / stride order", f"{tuple(spec.backend_kv_cache_shape)} / {order}"),
@@ -198,11 +230,21 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
         layers_per_step[r.step] = layers_per_step.get(r.step, 0) + 1
     rows: list[StepRow] = []
     for r in first_records(trace):
-        rows.append(StepRow(
-            r.step, r.kind, True, layers_per_step[r.step], str(r.num_reqs), str(r.num_actual_tokens),
-            _short(r.query_lens), _short(r.seq_lens), step_verdict(replay.by_step.get(r.step, [])),
-            step_page(r.step) if r.step in paged else "", str(r.step),
-        ))
+        rows.append(
+            StepRow(
+                r.step,
+                r.kind,
+                True,
+                layers_per_step[r.step],
+                str(r.num_reqs),
+                str(r.num_actual_tokens),
+                _short(r.query_lens),
+                _short(r.seq_lens),
+                step_verdict(replay.by_step.get(r.step, [])),
+                step_page(r.step) if r.step in paged else "",
+                str(r.step),
+            )
+        )
     rows += _gap_rows(list(trace.gaps))
     rows.sort(key=lambda row: (row.step, not row.recorded))
     files = []
@@ -210,12 +252,21 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
         loc = located.get(path)
         name = path.rsplit("/", 1)[-1]
         if loc is None:
-            files.append(FileRow(name, path, "", file_role(path, run), "source not stored in this trace",
-                                 on_path(path, run)))
+            files.append(
+                FileRow(name, path, "", file_role(path, run), "source not stored in this trace", on_path(path, run))
+            )
             continue
         found = sum(1 for x in loc.locations.values() if x.found)
-        files.append(FileRow(name, path, source_file_page(path), file_role(path, run),
-                             f"{found} of {len(loc.locations)} anchors found", on_path(path, run)))
+        files.append(
+            FileRow(
+                name,
+                path,
+                source_file_page(path),
+                file_role(path, run),
+                f"{found} of {len(loc.locations)} anchors found",
+                on_path(path, run),
+            )
+        )
     model = run.model.name if run.model else "unknown model"
     overall = replay.overall
     if not replay.present and not any(r.tensors for r in trace.records):
@@ -225,7 +276,9 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
     without = sum(1 for row in recorded if not row.href)
     pages_note = (
         f"{len(recorded) - without} of {len(recorded)} recorded steps have a page (the first request steps, "
-        "and the first few others); `pagedtrace report --max-step-pages N` writes more." if without else ""
+        "and the first few others); `pagedtrace report --max-step-pages N` writes more."
+        if without
+        else ""
     )
     return IndexPage(
         title=f"pagedtrace: {model}",
@@ -240,4 +293,3 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
         problems=problems,
         pages_note=pages_note,
     )
-

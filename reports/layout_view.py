@@ -92,8 +92,13 @@ class _Strip:
             x += 8
         self.width = max(self.width, x)
 
-    def block_rows(self, y: int, row_h: int, blocks: list[int | None],
-                   groups_of: Callable[[int], list[tuple[str, list[tuple[str, str, int, str]]]]]) -> int:
+    def block_rows(
+        self,
+        y: int,
+        row_h: int,
+        blocks: list[int | None],
+        groups_of: Callable[[int], list[tuple[str, list[tuple[str, str, int, str]]]]],
+    ) -> int:
         """One row per block of ``blocks`` (``groups_of(b)`` draws it) from height ``y``; an
         elided block (None) is a gap box. Returns the height below the last row."""
         for b in blocks:
@@ -117,8 +122,14 @@ def layout_view(spec: KVCacheSpec | None) -> LayoutView | None:
     dims_n = len(spec.shape)
     ranks = {d: r for r, d in enumerate(sorted(range(dims_n), key=lambda d: -spec.stride[d]))}
     dims = tuple(
-        DimRow(i, _DIM_NAMES[i] if dims_n == 4 else f"dim {i}", spec.shape[i], spec.stride[i],
-               spec.stride[i] * spec.element_size, ranks[i])
+        DimRow(
+            i,
+            _DIM_NAMES[i] if dims_n == 4 else f"dim {i}",
+            spec.shape[i],
+            spec.stride[i],
+            spec.stride[i] * spec.element_size,
+            ranks[i],
+        )
         for i in range(dims_n)
     )
     d, bs, h = spec.head_size, spec.block_size, spec.num_kv_heads
@@ -128,8 +139,7 @@ def layout_view(spec: KVCacheSpec | None) -> LayoutView | None:
     )
     strip = _Strip()
     if dims_n != 4:
-        return LayoutView(spec.layout, spec.physical_order, summary, dims, (), (), 0, 0,
-                          "no drawing for this shape")
+        return LayoutView(spec.layout, spec.physical_order, summary, dims, (), (), 0, 0, "no drawing for this shape")
     s0, s1, s2, s3 = spec.stride
     row_h = _GROUP_H + _BOX_H + _ROW_GAP
     blocks = _pick(spec.num_blocks)
@@ -184,12 +194,25 @@ def layout_view(spec: KVCacheSpec | None) -> LayoutView | None:
                     groups.append(("", [_gap("more heads")]))
                     continue
                 off = b * s0 + hh * s1
-                groups.append((f"head {hh}", [
-                    (f"K^T [{d}][{bs}]", "k", 3 * _BOX_W,
-                     f"K transposed of block {b}, head {hh}: elements {off}..{off + bs * d - 1}"),
-                    (f"V [{bs}][{d}]", "v", 3 * _BOX_W,
-                     f"V of block {b}, head {hh}: elements {off + bs * d}..{off + 2 * bs * d - 1}"),
-                ]))
+                groups.append(
+                    (
+                        f"head {hh}",
+                        [
+                            (
+                                f"K^T [{d}][{bs}]",
+                                "k",
+                                3 * _BOX_W,
+                                f"K transposed of block {b}, head {hh}: elements {off}..{off + bs * d - 1}",
+                            ),
+                            (
+                                f"V [{bs}][{d}]",
+                                "v",
+                                3 * _BOX_W,
+                                f"V of block {b}, head {hh}: elements {off + bs * d}..{off + 2 * bs * d - 1}",
+                            ),
+                        ],
+                    )
+                )
             return groups
 
         y = strip.block_rows(y, row_h, blocks, cpu_groups)
@@ -210,17 +233,20 @@ def layout_view(spec: KVCacheSpec | None) -> LayoutView | None:
             "tracer.format.layouts.element_offset."
         )
     else:
-        return LayoutView(spec.layout, spec.physical_order, summary, dims, (), (), 0, 0,
-                          f"no drawing for layout {spec.layout!r}")
-    return LayoutView(spec.layout, spec.physical_order, summary, dims, formulas, tuple(strip.boxes),
-                      strip.width + 4, y, caption)
+        return LayoutView(
+            spec.layout, spec.physical_order, summary, dims, (), (), 0, 0, f"no drawing for layout {spec.layout!r}"
+        )
+    return LayoutView(
+        spec.layout, spec.physical_order, summary, dims, formulas, tuple(strip.boxes), strip.width + 4, y, caption
+    )
 
 
 def _describe(spec: KVCacheSpec) -> LayoutDescription | str:
     """The registry's geometry of ``spec``'s layout, or why it has none (e.g. sizes AMX cannot tile)."""
     try:
-        return describe_layout(spec.layout, spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size,
-                               spec.element_size)
+        return describe_layout(
+            spec.layout, spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size, spec.element_size
+        )
     except ValueError as exc:
         return f"no drawing: {exc}"
 
@@ -267,14 +293,25 @@ def _unravel(offset: int, view: ComponentView) -> dict[str, int]:
     return out
 
 
-def _amx_rows(strip: _Strip, spec: KVCacheSpec, desc: LayoutDescription, blocks: list[int | None], y: int,
-              row_h: int) -> int:
+def _amx_rows(
+    strip: _Strip, spec: KVCacheSpec, desc: LayoutDescription, blocks: list[int | None], y: int, row_h: int
+) -> int:
     """Draw the AMX packing: tiles per (block, head), then block 0 / head 0's first elements."""
     bs, d, h = spec.block_size, spec.head_size, spec.num_kv_heads
 
     def offset(b: int, hh: int, t: int, dim: int, which: str) -> int:
-        return element_offset(spec.layout, b, hh, t, dim, which, num_kv_heads=h, block_size=bs,
-                              head_size=d, element_size=spec.element_size)
+        return element_offset(
+            spec.layout,
+            b,
+            hh,
+            t,
+            dim,
+            which,
+            num_kv_heads=h,
+            block_size=bs,
+            head_size=d,
+            element_size=spec.element_size,
+        )
 
     def amx_groups(b: int) -> list:
         groups = []
@@ -288,17 +325,29 @@ def _amx_rows(strip: _Strip, spec: KVCacheSpec, desc: LayoutDescription, blocks:
                     items.append(_gap("more token tiles"))
                     continue
                 first = offset(b, hh, 16 * tile, 0, "k")
-                items.append((f"K t{16 * tile}–{16 * tile + 15}", "k", 2 * _BOX_W,
-                              f"K of block {b}, head {hh}, tokens {16 * tile}–{16 * tile + 15}: [{d // 2}][16][2] "
-                              f"(dim pair, token, dim in pair), elements {first}..{first + 16 * d - 1}"))
+                items.append(
+                    (
+                        f"K t{16 * tile}–{16 * tile + 15}",
+                        "k",
+                        2 * _BOX_W,
+                        f"K of block {b}, head {hh}, tokens {16 * tile}–{16 * tile + 15}: [{d // 2}][16][2] "
+                        f"(dim pair, token, dim in pair), elements {first}..{first + 16 * d - 1}",
+                    )
+                )
             for tile in _pick(d // 16):
                 if tile is None:
                     items.append(_gap("more dim tiles"))
                     continue
                 first = offset(b, hh, 0, 16 * tile, "v")
-                items.append((f"V d{16 * tile}–{16 * tile + 15}", "v", 2 * _BOX_W,
-                              f"V of block {b}, head {hh}, dims {16 * tile}–{16 * tile + 15}: [{bs // 2}][16][2] "
-                              f"(token pair, dim, token in pair), elements {first}..{first + 16 * bs - 1}"))
+                items.append(
+                    (
+                        f"V d{16 * tile}–{16 * tile + 15}",
+                        "v",
+                        2 * _BOX_W,
+                        f"V of block {b}, head {hh}, dims {16 * tile}–{16 * tile + 15}: [{bs // 2}][16][2] "
+                        f"(token pair, dim, token in pair), elements {first}..{first + 16 * bs - 1}",
+                    )
+                )
             groups.append((f"head {hh}", items))
         return groups
 
@@ -313,9 +362,14 @@ def _amx_rows(strip: _Strip, spec: KVCacheSpec, desc: LayoutDescription, blocks:
                 continue
             pos = _unravel(local, view)
             at = offset(0, 0, pos["token"], pos["dim"], which)
-            items.append((f"t{pos['token']} d{pos['dim']}", cls, _BOX_W + 8,
-                          f"{name}[token {pos['token']}, dim {pos['dim']}] of block 0, head 0 at element {at}"))
+            items.append(
+                (
+                    f"t{pos['token']} d{pos['dim']}",
+                    cls,
+                    _BOX_W + 8,
+                    f"{name}[token {pos['token']}, dim {pos['dim']}] of block 0, head 0 at element {at}",
+                )
+            )
         zoom.append((f"{name} half of block 0, head 0: first elements in memory", items))
     strip.row(y, "in a tile", zoom)
     return y + row_h
-

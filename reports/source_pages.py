@@ -60,8 +60,7 @@ class SourcePage:
     nav: tuple[Link, ...]
 
 
-def source_page(annotated: AnnotatedFile, default: int | None, traced_layers: int,
-                nav: tuple[Link, ...]) -> SourcePage:
+def source_page(annotated: AnnotatedFile, default: int | None, traced_layers: int, nav: tuple[Link, ...]) -> SourcePage:
     """One annotated source, with every anchor's value at every step of ``annotated``.
 
     The lines show the values at ``annotated.records[default]`` (None: no step); the

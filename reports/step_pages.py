@@ -122,14 +122,16 @@ def slot_runs(record: StepRecord, block_size: int) -> list[SlotRun]:
             return
         first, last = current[0], current[-1]
         slot0, slot1 = record.slot_mapping[first], record.slot_mapping[last]
-        runs.append(SlotRun(
-            owner[first] if first < len(owner) else -1,
-            range_text(first, last),
-            range_text(positions[first], positions[last]) if last < len(positions) else "?",
-            slot0 // block_size,
-            range_text(slot0 % block_size, slot1 % block_size),
-            range_text(slot0, slot1),
-        ))
+        runs.append(
+            SlotRun(
+                owner[first] if first < len(owner) else -1,
+                range_text(first, last),
+                range_text(positions[first], positions[last]) if last < len(positions) else "?",
+                slot0 // block_size,
+                range_text(slot0 % block_size, slot1 % block_size),
+                range_text(slot0, slot1),
+            )
+        )
         current.clear()
 
     for t, slot in enumerate(record.slot_mapping):
@@ -153,8 +155,9 @@ def _pct(value: float) -> str:
 _NO_OFFSETS: frozenset[int] = frozenset()
 
 
-def _cell(block: int, index: int, bs: int, shared: bool, written_offsets: dict[int, set[int]],
-          seq_len: int, context_len: int) -> BlockCell:
+def _cell(
+    block: int, index: int, bs: int, shared: bool, written_offsets: dict[int, set[int]], seq_len: int, context_len: int
+) -> BlockCell:
     before = max(0, min(bs, context_len - index * bs))
     after = max(0, min(bs, seq_len - index * bs))
     offsets = written_offsets.get(block, _NO_OFFSETS)
@@ -173,8 +176,15 @@ def _cell(block: int, index: int, bs: int, shared: bool, written_offsets: dict[i
     return BlockCell(block, index, shared, bool(offsets), False, tuple(segments), title)
 
 
-def step_view(record: StepRecord, run: RunInfo, layers: tuple[str, ...], replay_entries: Sequence[StepResult],
-              prev: int | None, next_: int | None, nav: tuple[Link, ...]) -> StepPage:
+def step_view(
+    record: StepRecord,
+    run: RunInfo,
+    layers: tuple[str, ...],
+    replay_entries: Sequence[StepResult],
+    prev: int | None,
+    next_: int | None,
+    nav: tuple[Link, ...],
+) -> StepPage:
     """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay verdicts."""
     bs = run.kv_cache.block_size if run.kv_cache else 16
     shared_set = record.shared_blocks
@@ -239,4 +249,3 @@ NO_TENSORS_NOTE = (
     "Not replayable: no tensors were captured for this step (the trace was recorded with --no-tensors, "
     "or the tensor budget was used up), so there is nothing to recompute attention from."
 )
-

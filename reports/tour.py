@@ -59,8 +59,9 @@ def tour_marks(text: str) -> tuple[str, tuple[str, ...]]:
     return "\n".join(lines) + ("\n" if text.endswith("\n") else ""), tuple(marks)
 
 
-def code_block(title: str, origin: str, text: str, start: int, marks: tuple[str, ...], mark: str,
-               first: str | None = None) -> CodeBlock | None:
+def code_block(
+    title: str, origin: str, text: str, start: int, marks: tuple[str, ...], mark: str, first: str | None = None
+) -> CodeBlock | None:
     """Highlight ``text`` (its first line is line ``start``); mark the lines whose ``marks`` entry is ``mark``.
 
     ``marks`` has one entry per line (``tour_marks``). With ``first``, keep only the
@@ -142,8 +143,13 @@ def _anchor_link(located: dict[str, LocatedSource], path: str, key: str, text: s
     return Link(f"{source_file_page(path)}#line-{loc.locations[key].line}", text)
 
 
-def tour_page(trace: Trace, located: dict[str, LocatedSource], paged: set[int],
-              reference: tuple[str, str, int] | None, nav: tuple[Link, ...]) -> TourPage:
+def tour_page(
+    trace: Trace,
+    located: dict[str, LocatedSource],
+    paged: set[int],
+    reference: tuple[str, str, int] | None,
+    nav: tuple[Link, ...],
+) -> TourPage:
     """The guided tour following the reading checklist, linked into the other pages."""
     run = trace.run
     spec = run.kv_cache
@@ -164,70 +170,125 @@ def tour_page(trace: Trace, located: dict[str, LocatedSource], paged: set[int],
 
     layout_text = (
         f"This run's cache: {tuple(spec.shape)} with strides {tuple(spec.stride)}, layout {spec.layout}: "
-        f"{spec.physical_order}." if spec else "This trace has no KV-cache spec."
+        f"{spec.physical_order}."
+        if spec
+        else "This trace has no KV-cache spec."
     )
     loop_code = softmax_code = None
     if reference is not None:
         origin, src, start = reference
         shown, marks = tour_marks(src)
         loop_code = code_block(origin, "reference_impl/kernel.py", shown, start, marks, BLOCK_MARK)
-        softmax_code = code_block(f"{origin}: the online-softmax lines", "reference_impl/kernel.py", shown, start,
-                                  marks, SOFTMAX_MARK, SOFTMAX_FIRST)
+        softmax_code = code_block(
+            f"{origin}: the online-softmax lines",
+            "reference_impl/kernel.py",
+            shown,
+            start,
+            marks,
+            SOFTMAX_MARK,
+            SOFTMAX_FIRST,
+        )
     stops = (
-        TourStop("layout", "1. Layout", (
-            "Every attention layer owns one kv_cache tensor of logical shape (num_blocks, num_kv_heads, "
-            "block_size, 2*head_size): K and V are packed into the last dimension. The backend's stride order "
-            "decides the physical order; FlashAttention views it as key_cache/value_cache of shape "
-            "(num_blocks, block_size, num_kv_heads, head_size) with transpose(1, 2).split(head_size, -1).",
-            layout_text,
-        ), (Link(f"{INDEX_PAGE}#layout", "the drawn layout"),) + links(
-            (FLASH_ATTN, "flash_attn.get_kv_cache_shape", "FlashAttentionBackend.get_kv_cache_shape"),
-            (FLASH_ATTN, "flash_attn.get_kv_cache_stride_order", "get_kv_cache_stride_order"),
-            (FLASH_ATTN, "flash_attn.forward.split", "forward: transpose(1, 2).split(...)"),
-            (CPU_ATTN, "cpu_attn.forward.view", "CPU: view(nb, H, 2*bs, D)"),
-            (CPU_ATTN, "cpu_attn.forward.chunk", "CPU: chunk(2, dim=2)"),
-        )),
-        TourStop("write", "2. Write path: slot_mapping and reshape_and_cache", (
-            "Before attention reads anything, the new tokens' K and V are scattered into the cache. The worker "
-            "computes one slot per new token: slot = block_table[req, pos // block_size] * block_size + "
-            "pos % block_size. unified_kv_cache_update hands it to the backend's do_kv_cache_update, which calls "
-            "reshape_and_cache_flash (CPU: cpu_attn_reshape_and_cache).",
-        ), links(
-            (BLOCK_TABLE, "block_table.compute_slot_mapping.launch", "BlockTable.compute_slot_mapping"),
-            (BLOCK_TABLE, "block_table.kernel.slot_ids", "the slot formula in _compute_slot_mapping_kernel"),
-            (ATTENTION, "attention.unified_kv_cache_update.call", "unified_kv_cache_update"),
-            (backend_file, "flash_attn.do_kv_cache_update.reshape_and_cache_flash" if not on_cpu
-             else "cpu_attn.do_kv_cache_update.reshape_and_cache", "the backend's write"),
-        ) + step_link),
-        TourStop("blocks", "3. Block loop", (
-            "Reading is the same walk in reverse: for each request, key j lives in block block_table[req, j // "
-            "block_size] at offset j % block_size. The reference kernel spells the loop out block by block; the "
-            "real kernels do the same walk in tiles.",
-        ), links(
-            (FLASH_ATTN, "flash_attn.forward.block_table", "forward: block_table"),
-            (FLASH_ATTN, "flash_attn.forward.seqused_k", "forward: seqused_k = seq_lens"),
-        ) + step_link, loop_code),
-        TourStop("softmax", "4. Online softmax", (
-            "Scores are never held for the whole sequence: per block, the running maximum m and denominator l "
-            "are updated and the accumulator is rescaled by exp(m_old - m_new) before the block's values are "
-            "added; the output is acc / l at the end.",
-        ) + (() if loop_code else
-             ("The reference kernel (reference_impl.kernel.paged_attention_loop) was not available when this "
-              "report was built.",)), (), softmax_code),
-        TourStop("runs", "5. What actually runs", (
-            (f"This run: {run.attention_backend}, "
-             + (f"FlashAttention {run.flash_attn_version} (flash_attn_varlen_func with block_table)."
-                if run.flash_attn_version else "the CPU kernel cpu_attention_with_kv_cache." if on_cpu
-                else "no FlashAttention.")),
-            "vllm/v1/attention/ops/paged_attn.py's split_kv_cache is not on vLLM 0.26's FlashAttention or CPU "
-            "path (ROCm / legacy only): on the 0.26 cache its kv_cache[0] is block 0, not all keys. Its page "
-            "shows what each of its lines would give for this run's cache.",
-        ), links(
-            (FLASH_ATTN, "flash_attn.forward.flash_attn_varlen_func", "flash_attn_varlen_func call"),
-            (CPU_ATTN, "cpu_attn.forward.attention", "cpu_attention_with_kv_cache call"),
-            (PAGED_ATTN, "paged_attn.split_kv_cache", "PagedAttention.split_kv_cache (not called)"),
-            (PAGED_ATTN, "paged_attn.split_kv_cache.key_index", "kv_cache[0] on the 0.26 cache"),
-        )),
+        TourStop(
+            "layout",
+            "1. Layout",
+            (
+                "Every attention layer owns one kv_cache tensor of logical shape (num_blocks, num_kv_heads, "
+                "block_size, 2*head_size): K and V are packed into the last dimension. The backend's stride order "
+                "decides the physical order; FlashAttention views it as key_cache/value_cache of shape "
+                "(num_blocks, block_size, num_kv_heads, head_size) with transpose(1, 2).split(head_size, -1).",
+                layout_text,
+            ),
+            (Link(f"{INDEX_PAGE}#layout", "the drawn layout"),)
+            + links(
+                (FLASH_ATTN, "flash_attn.get_kv_cache_shape", "FlashAttentionBackend.get_kv_cache_shape"),
+                (FLASH_ATTN, "flash_attn.get_kv_cache_stride_order", "get_kv_cache_stride_order"),
+                (FLASH_ATTN, "flash_attn.forward.split", "forward: transpose(1, 2).split(...)"),
+                (CPU_ATTN, "cpu_attn.forward.view", "CPU: view(nb, H, 2*bs, D)"),
+                (CPU_ATTN, "cpu_attn.forward.chunk", "CPU: chunk(2, dim=2)"),
+            ),
+        ),
+        TourStop(
+            "write",
+            "2. Write path: slot_mapping and reshape_and_cache",
+            (
+                "Before attention reads anything, the new tokens' K and V are scattered into the cache. The worker "
+                "computes one slot per new token: slot = block_table[req, pos // block_size] * block_size + "
+                "pos % block_size. unified_kv_cache_update hands it to the backend's do_kv_cache_update, which calls "
+                "reshape_and_cache_flash (CPU: cpu_attn_reshape_and_cache).",
+            ),
+            links(
+                (BLOCK_TABLE, "block_table.compute_slot_mapping.launch", "BlockTable.compute_slot_mapping"),
+                (BLOCK_TABLE, "block_table.kernel.slot_ids", "the slot formula in _compute_slot_mapping_kernel"),
+                (ATTENTION, "attention.unified_kv_cache_update.call", "unified_kv_cache_update"),
+                (
+                    backend_file,
+                    "flash_attn.do_kv_cache_update.reshape_and_cache_flash"
+                    if not on_cpu
+                    else "cpu_attn.do_kv_cache_update.reshape_and_cache",
+                    "the backend's write",
+                ),
+            )
+            + step_link,
+        ),
+        TourStop(
+            "blocks",
+            "3. Block loop",
+            (
+                "Reading is the same walk in reverse: for each request, key j lives in block block_table[req, j // "
+                "block_size] at offset j % block_size. The reference kernel spells the loop out block by block; the "
+                "real kernels do the same walk in tiles.",
+            ),
+            links(
+                (FLASH_ATTN, "flash_attn.forward.block_table", "forward: block_table"),
+                (FLASH_ATTN, "flash_attn.forward.seqused_k", "forward: seqused_k = seq_lens"),
+            )
+            + step_link,
+            loop_code,
+        ),
+        TourStop(
+            "softmax",
+            "4. Online softmax",
+            (
+                "Scores are never held for the whole sequence: per block, the running maximum m and denominator l "
+                "are updated and the accumulator is rescaled by exp(m_old - m_new) before the block's values are "
+                "added; the output is acc / l at the end.",
+            )
+            + (
+                ()
+                if loop_code
+                else (
+                    "The reference kernel (reference_impl.kernel.paged_attention_loop) was not available when this "
+                    "report was built.",
+                )
+            ),
+            (),
+            softmax_code,
+        ),
+        TourStop(
+            "runs",
+            "5. What actually runs",
+            (
+                (
+                    f"This run: {run.attention_backend}, "
+                    + (
+                        f"FlashAttention {run.flash_attn_version} (flash_attn_varlen_func with block_table)."
+                        if run.flash_attn_version
+                        else "the CPU kernel cpu_attention_with_kv_cache."
+                        if on_cpu
+                        else "no FlashAttention."
+                    )
+                ),
+                "vllm/v1/attention/ops/paged_attn.py's split_kv_cache is not on vLLM 0.26's FlashAttention or CPU "
+                "path (ROCm / legacy only): on the 0.26 cache its kv_cache[0] is block 0, not all keys. Its page "
+                "shows what each of its lines would give for this run's cache.",
+            ),
+            links(
+                (FLASH_ATTN, "flash_attn.forward.flash_attn_varlen_func", "flash_attn_varlen_func call"),
+                (CPU_ATTN, "cpu_attn.forward.attention", "cpu_attention_with_kv_cache call"),
+                (PAGED_ATTN, "paged_attn.split_kv_cache", "PagedAttention.split_kv_cache (not called)"),
+                (PAGED_ATTN, "paged_attn.split_kv_cache.key_index", "kv_cache[0] on the 0.26 cache"),
+            ),
+        ),
     )
     return TourPage(stops, nav)
-

@@ -98,7 +98,11 @@ def layer_verdicts(results: Sequence[StepResult]) -> tuple[LayerVerdict, ...]:
     """Per layer: verdict and per-head results, for a step page."""
     return tuple(
         LayerVerdict(
-            r.layer, step_verdict([r]), _num(r.max_abs), _num(r.max_rel), _num(r.tol),
+            r.layer,
+            step_verdict([r]),
+            _num(r.max_abs),
+            _num(r.max_rel),
+            _num(r.tol),
             tuple(HeadVerdict(h.head, _status(h.ok), _num(h.max_abs)) for h in r.heads),
         )
         for r in results

@@ -43,13 +43,16 @@ class Site:
 
 def navigation(located: dict[str, LocatedSource]) -> tuple[Link, ...]:
     """The top bar: index, tour, one link per stored source."""
-    return (Link(INDEX_PAGE, "index"), Link(TOUR_PAGE, "tour"), *(
-        Link(source_file_page(p), p.rsplit("/", 1)[-1]) for p in ANNOTATED_FILES if p in located
-    ))
+    return (
+        Link(INDEX_PAGE, "index"),
+        Link(TOUR_PAGE, "tour"),
+        *(Link(source_file_page(p), p.rsplit("/", 1)[-1]) for p in ANNOTATED_FILES if p in located),
+    )
 
 
-def build_site(trace: Trace, reference: tuple[str, str, int] | None = None,
-               max_step_pages: int = MAX_REQUEST_PAGES) -> Site:
+def build_site(
+    trace: Trace, reference: tuple[str, str, int] | None = None, max_step_pages: int = MAX_REQUEST_PAGES
+) -> Site:
     """All view models of a report for ``trace``.
 
     ``reference`` is the tour's kernel source (``load_reference_source()``), if any;
@@ -63,8 +66,9 @@ def build_site(trace: Trace, reference: tuple[str, str, int] | None = None,
     paged = pages_for_steps(trace.records, max_step_pages)
     default = next((i for i, r in enumerate(records) if r.kind == "request"), 0 if records else None)
     sources = {
-        source_file_page(p): source_page(annotate_file(t, p, trace.run, records, located[p]), default,
-                                         len(trace.layers), nav)
+        source_file_page(p): source_page(
+            annotate_file(t, p, trace.run, records, located[p]), default, len(trace.layers), nav
+        )
         for p, t in texts.items()
     }
     layers_by_step: dict[int, list[str]] = {}

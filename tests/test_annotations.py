@@ -10,33 +10,41 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import SITE, kv_spec, model_summary, needs_vllm_sources, run_info, scheduled_step
-
 from annotations import (
     ANCHORS,
     ANNOTATED_FILES,
     StepNotFound,
-    annotate,
     anchors_for,
+    annotate,
     locate,
     resolve_file,
 )
 from annotations.anchors import BLOCK_TABLE, CPU_ATTN, FLASH_ATTN, MATCH_MODES, PAGED_ATTN, Anchor
-from annotations.locate import keep_definitions, normalize_code
 from annotations.annotate import file_role
-from annotations.values import COMPUTED_PREFIX, VALUE_FUNCTIONS, TensorView, ViewError, split_kv_cache_summary, value_for
+from annotations.locate import keep_definitions, normalize_code
+from annotations.values import (
+    COMPUTED_PREFIX,
+    VALUE_FUNCTIONS,
+    TensorView,
+    ViewError,
+    split_kv_cache_summary,
+    value_for,
+)
+from tests.factories import SITE, kv_spec, model_summary, needs_vllm_sources, run_info, scheduled_step
 from tracer.format import (
     SOURCE_FILES,
     GapRecord,
     KVCacheSpec,
     RunInfo,
     StepRecord,
+    Trace,
+    TraceWriter,
+    read_sources,
+    sha256_text,
+    store_sources,
 )
-from tracer.format import Trace, TraceWriter, read_sources, sha256_text, store_sources
 
 LAYER = "model.layers.0.self_attn.attn"
-
-
 
 
 def vllm_source(path: str) -> str:
@@ -48,8 +56,11 @@ def make_spec(layout: str = "flash_nhd", dtype: str = "bfloat16", element_size: 
     """64 blocks x 16 tokens x 2 KV heads x D=64, as FlashAttention (NHD) or the CPU backend allocates it."""
     stride = {"flash_nhd": (4096, 128, 256, 1), "flash_hnd": (4096, 2048, 128, 1), "cpu": (4096, 2048, 128, 1)}[layout]
     return kv_spec(
-        dtype=dtype, cache_dtype="auto" if element_size == 2 else "fp8_e4m3", element_size=element_size,
-        stride=stride, layout=layout,
+        dtype=dtype,
+        cache_dtype="auto" if element_size == 2 else "fp8_e4m3",
+        element_size=element_size,
+        stride=stride,
+        layout=layout,
         physical_order="(blocks, tokens, heads, K|V)" if layout == "flash_nhd" else "(blocks, heads, K^T|V)",
         backend_stride_order=(0, 2, 1, 3) if layout == "flash_nhd" else None,
     )
@@ -57,12 +68,18 @@ def make_spec(layout: str = "flash_nhd", dtype: str = "bfloat16", element_size: 
 
 def make_run(spec: KVCacheSpec | None = None, sources: dict | None = None, backend: str = "flash") -> RunInfo:
     """A RunInfo for a small FlashAttention (or CPU) run."""
-    return run_info(backend, model=model_summary(), kv_cache=spec if spec is not None else make_spec(),
-                    created_at="2026-01-01T00:00:00Z", sources=sources or {})
+    return run_info(
+        backend,
+        model=model_summary(),
+        kv_cache=spec if spec is not None else make_spec(),
+        created_at="2026-01-01T00:00:00Z",
+        sources=sources or {},
+    )
 
 
-def make_record(step: int, query_lens, seq_lens, block_table, kind: str = "request", layer: str = LAYER,
-                block_size: int = 16) -> StepRecord:
+def make_record(
+    step: int, query_lens, seq_lens, block_table, kind: str = "request", layer: str = LAYER, block_size: int = 16
+) -> StepRecord:
     """A record whose slot_mapping follows the block table, as vLLM computes it."""
     return scheduled_step(step, query_lens, seq_lens, block_table, block_size=block_size, kind=kind, layer=layer)
 
@@ -97,19 +114,30 @@ def test_anchor_table_is_well_formed():
     assert all(anchors_for(path) for path in ANNOTATED_FILES)
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("flash_attn.py", FLASH_ATTN), ("flash_attn", FLASH_ATTN), (FLASH_ATTN, FLASH_ATTN),
-    ("backends/cpu_attn.py", CPU_ATTN), ("paged_attn.py", PAGED_ATTN), ("nope.py", None), ("attn.py", None),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("flash_attn.py", FLASH_ATTN),
+        ("flash_attn", FLASH_ATTN),
+        (FLASH_ATTN, FLASH_ATTN),
+        ("backends/cpu_attn.py", CPU_ATTN),
+        ("paged_attn.py", PAGED_ATTN),
+        ("nope.py", None),
+        ("attn.py", None),
+    ],
+)
 def test_resolve_file(name, expected):
     assert resolve_file(name) == expected
 
 
-@pytest.mark.parametrize("code, normal", [
-    ("(num_blocks, num_kv_heads,\n block_size, 2 * head_size)", "num_blocks,num_kv_heads,block_size,2*head_size"),
-    ("f(a, b,)", "f(a,b)"),
-    ("(a)(b)", "(a)(b)"),
-])
+@pytest.mark.parametrize(
+    "code, normal",
+    [
+        ("(num_blocks, num_kv_heads,\n block_size, 2 * head_size)", "num_blocks,num_kv_heads,block_size,2*head_size"),
+        ("f(a, b,)", "f(a,b)"),
+        ("(a)(b)", "(a)(b)"),
+    ],
+)
 def test_normalize_code(code, normal):
     assert normalize_code(code) == normal
 
@@ -142,8 +170,10 @@ def test_every_anchor_resolves_on_vllm_026(path):
 def test_known_lines_in_vllm_026():
     """Spot checks against lines read by hand in vLLM 0.26.0."""
     fa = locate(vllm_source(FLASH_ATTN), FLASH_ATTN).locations
-    assert "num_actual_tokens = attn_metadata.num_actual_tokens" in vllm_source(FLASH_ATTN).splitlines()[
-        fa["flash_attn.forward.num_actual_tokens"].line - 1]
+    assert (
+        "num_actual_tokens = attn_metadata.num_actual_tokens"
+        in vllm_source(FLASH_ATTN).splitlines()[fa["flash_attn.forward.num_actual_tokens"].line - 1]
+    )
     # The forward split and the do_kv_cache_update split are the same expression in two functions.
     assert fa["flash_attn.forward.split"].line != fa["flash_attn.do_kv_cache_update.split"].line
     pa = locate(vllm_source(PAGED_ATTN), PAGED_ATTN).locations
@@ -251,9 +281,15 @@ def test_cpu_chunk_for_the_cpu_layout():
 
 def amx_spec() -> KVCacheSpec:
     """The CPU cache of ``make_spec("cpu")`` as the AMX ISA packs it (block size 32)."""
-    return dataclasses.replace(make_spec("cpu"), block_size=32, shape=(64, 2, 32, 128), stride=(8192, 4096, 128, 1),
-                               backend_kv_cache_shape=(64, 2, 32, 128), layout="cpu_amx",
-                               physical_order="(blocks, heads, [K | V] packed in AMX tiles)")
+    return dataclasses.replace(
+        make_spec("cpu"),
+        block_size=32,
+        shape=(64, 2, 32, 128),
+        stride=(8192, 4096, 128, 1),
+        backend_kv_cache_shape=(64, 2, 32, 128),
+        layout="cpu_amx",
+        physical_order="(blocks, heads, [K | V] packed in AMX tiles)",
+    )
 
 
 def test_cpu_chunk_follows_the_recorded_layout():
@@ -282,13 +318,17 @@ def test_split_kv_cache_on_the_h200_fa3_cache():
     run = make_run(spec)
     assert "x = 16 // 2 = 8" in value_for(_anchor("paged_attn.split_kv_cache.x"), None, run).text
     num_blocks = value_for(_anchor("paged_attn.split_kv_cache.num_blocks"), None, run).text
-    assert f"num_blocks = kv_cache.shape[1] = 4: on the 0.26 cache dim 1 is num_kv_heads, not the {spec.num_blocks}" \
+    assert (
+        f"num_blocks = kv_cache.shape[1] = 4: on the 0.26 cache dim 1 is num_kv_heads, not the {spec.num_blocks}"
         in num_blocks
+    )
     key = value_for(_anchor("paged_attn.split_kv_cache.key_index"), None, run).text
     assert "kv_cache[0] is block 0" in key and "shape (4, 16, 256) strides (256, 1024, 1)" in key
     for k in ("key_view", "value_view"):
-        assert "would fail in torch (RuntimeError: view size is not compatible" in \
-            value_for(_anchor(f"paged_attn.split_kv_cache.{k}"), None, run).text
+        assert (
+            "would fail in torch (RuntimeError: view size is not compatible"
+            in value_for(_anchor(f"paged_attn.split_kv_cache.{k}"), None, run).text
+        )
     summary = split_kv_cache_summary(spec)
     assert "kv_cache.shape[1] = 4 (that is num_kv_heads" in summary and "view(4, 4, 16, -1, 8) would fail" in summary
 
@@ -314,8 +354,10 @@ def test_block_table_slot_formula_checks_the_captured_slot_mapping():
     text = value_for(_anchor("block_table.kernel.slot_ids"), rec, run).text
     assert "r0: [32, 33]; r1: [56]" in text and "matches the captured slot_mapping" in text
     broken = StepRecord(**{**rec.to_json(), "slot_mapping": (32, 34, 56)})
-    assert "differs from the captured slot_mapping at token 1" in value_for(
-        _anchor("block_table.kernel.slot_ids"), broken, run).text
+    assert (
+        "differs from the captured slot_mapping at token 1"
+        in value_for(_anchor("block_table.kernel.slot_ids"), broken, run).text
+    )
 
 
 def test_long_lists_are_cut():

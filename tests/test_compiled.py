@@ -57,7 +57,7 @@ def test_compiled_equals_fast(q_lens, seq_lens, kwargs):
     got, got_lse = compiled.paged_attention_compiled(*args, scale=D**-0.5, return_lse=True, **kwargs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=2e-6)
-    assert not got[int(args[-1][-1]):].any(), "rows past query_start_loc[-1] stay 0"
+    assert not got[int(args[-1][-1]) :].any(), "rows past query_start_loc[-1] stay 0"
 
 
 @settings(max_examples=40, deadline=None)
@@ -69,15 +69,22 @@ def test_compiled_matches_dense(data):
     seq_lens = [data.draw(st.integers(1, 700)) for _ in range(num_seqs)]
     q_lens = [data.draw(st.sampled_from([0, 1, 1, min(s, 3)])) for s in seq_lens]
     batch = make_batch(
-        seq_lens, q_lens, num_kv_heads=data.draw(st.integers(1, 2)),
-        group=data.draw(st.integers(1, 5)), head_size=data.draw(st.sampled_from([32, 64])),
+        seq_lens,
+        q_lens,
+        num_kv_heads=data.draw(st.integers(1, 2)),
+        group=data.draw(st.integers(1, 5)),
+        head_size=data.draw(st.sampled_from([32, 64])),
         block_size=data.draw(st.sampled_from([1, 16, 32])),
         window=(data.draw(st.sampled_from([-1, 0, 7, 300])), -1),
-        sinks=data.draw(st.booleans()), seed=data.draw(st.integers(0, 2**16)),
+        sinks=data.draw(st.booleans()),
+        seed=data.draw(st.integers(0, 2**16)),
     )
-    batch = dataclasses.replace(batch, query=batch.query.bfloat16(),
-                                key_cache=batch.key_cache.bfloat16(),
-                                value_cache=batch.value_cache.bfloat16())
+    batch = dataclasses.replace(
+        batch,
+        query=batch.query.bfloat16(),
+        key_cache=batch.key_cache.bfloat16(),
+        value_cache=batch.value_cache.bfloat16(),
+    )
     out = compiled.paged_attention_compiled(*batch.args, **batch.kwargs)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), batch.dense(), atol=1e-4, rtol=0)
@@ -85,12 +92,11 @@ def test_compiled_matches_dense(data):
 
 def test_fp64_matches_dense_to_rounding():
     """With fp64 sums (what ``pagedtrace replay`` asks for) the kernel is exact attention."""
-    batch = make_batch([300, 5, 640], [1, 1, 1], num_kv_heads=2, group=4, head_size=64,
-                       block_size=16, sinks=True, seed=11)
-    batch = dataclasses.replace(batch, key_cache=batch.key_cache.bfloat16(),
-                                value_cache=batch.value_cache.bfloat16())
-    out = compiled.paged_attention_compiled(*batch.args, **batch.kwargs,
-                                            compute_dtype=torch.float64)
+    batch = make_batch(
+        [300, 5, 640], [1, 1, 1], num_kv_heads=2, group=4, head_size=64, block_size=16, sinks=True, seed=11
+    )
+    batch = dataclasses.replace(batch, key_cache=batch.key_cache.bfloat16(), value_cache=batch.value_cache.bfloat16())
+    out = compiled.paged_attention_compiled(*batch.args, **batch.kwargs, compute_dtype=torch.float64)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, batch.dense(), atol=1e-12, rtol=0)
 
@@ -109,10 +115,12 @@ def test_decode_rows_take_the_compiled_path(monkeypatch):
 def test_uncovered_batches_fall_back_unchanged():
     query, key_cache, value_cache, table, lens, qsl = _batch(3, [1, 1], [50, 120])
     slopes = torch.linspace(0.1, 0.8, H)
-    for kwargs, caches in [({"alibi_slopes": slopes}, (key_cache, value_cache)),
-                           ({"softcap": 5.0}, (key_cache, value_cache)),
-                           ({}, (key_cache.half(), value_cache.half())),
-                           ({"compute_dtype": torch.bfloat16}, (key_cache, value_cache))]:
+    for kwargs, caches in [
+        ({"alibi_slopes": slopes}, (key_cache, value_cache)),
+        ({"softcap": 5.0}, (key_cache, value_cache)),
+        ({}, (key_cache.half(), value_cache.half())),
+        ({"compute_dtype": torch.bfloat16}, (key_cache, value_cache)),
+    ]:
         want = paged_attention_fast(query, *caches, table, lens, qsl, scale=0.1, **kwargs)
         got = compiled.paged_attention_compiled(query, *caches, table, lens, qsl, scale=0.1, **kwargs)
         assert torch.equal(got, want)
@@ -121,11 +129,16 @@ def test_uncovered_batches_fall_back_unchanged():
 def test_head_size_not_compiled_falls_back():
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(4, 16, 1, 48, generator=gen).bfloat16()
-    args = (torch.randn(1, 2, 48, generator=gen), cache, cache.clone(),
-            torch.tensor([[2, 0]]), torch.tensor([20]), torch.tensor([0, 1]))
+    args = (
+        torch.randn(1, 2, 48, generator=gen),
+        cache,
+        cache.clone(),
+        torch.tensor([[2, 0]]),
+        torch.tensor([20]),
+        torch.tensor([0, 1]),
+    )
     assert 48 not in compiled.HEAD_SIZES
-    assert torch.equal(compiled.paged_attention_compiled(*args, scale=0.2),
-                       paged_attention_fast(*args, scale=0.2))
+    assert torch.equal(compiled.paged_attention_compiled(*args, scale=0.2), paged_attention_fast(*args, scale=0.2))
 
 
 def test_bad_block_id_is_an_error_not_a_crash():

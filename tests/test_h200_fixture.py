@@ -90,8 +90,14 @@ def test_kernel_options_come_from_the_step_and_the_spec(eager):
 
     record = next(r for r in eager.records if r.tensors is not None)
     options = KernelOptions.from_step(record, eager.run.kv_cache)
-    assert options.kwargs() == {"scale": record.scale, "causal": record.causal, "window": (-1, -1),
-                                "softcap": record.logits_soft_cap, "k_scale": 1.0, "v_scale": 1.0}
+    assert options.kwargs() == {
+        "scale": record.scale,
+        "causal": record.causal,
+        "window": (-1, -1),
+        "softcap": record.logits_soft_cap,
+        "k_scale": 1.0,
+        "v_scale": 1.0,
+    }
     with_heads = dataclasses.replace(record, alibi_slopes=[0.5] * 28, sinks=[1.0] * 28)
     kwargs = KernelOptions.from_step(with_heads, eager.run.kv_cache).kwargs()
     assert kwargs["alibi_slopes"].dtype == torch.float32 and kwargs["sinks"].shape == (28,)

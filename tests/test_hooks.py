@@ -43,9 +43,8 @@ def test_start_patches_and_stop_restores(tmp_path):
 
 
 def test_second_start_refuses(tmp_path):
-    with Tracer(TracerOptions(str(tmp_path / "a"))):
-        with pytest.raises(RuntimeError, match="already active"):
-            Tracer(TracerOptions(str(tmp_path / "b"))).start()
+    with Tracer(TracerOptions(str(tmp_path / "a"))), pytest.raises(RuntimeError, match="already active"):
+        Tracer(TracerOptions(str(tmp_path / "b"))).start()
 
 
 def test_failed_start_leaves_nothing_patched(tmp_path, monkeypatch):
@@ -67,8 +66,9 @@ def test_env_is_exported_for_child_processes_and_restored(tmp_path, monkeypatch)
     t = tracer.start(tmp_path / "t", layers="all", steps=(2, 9), tensors=True)
     try:
         opts = TracerOptions.from_env()
-        assert opts == TracerOptions(str(tmp_path / "t"), layers="all", steps=(2, 9), tensors=True,
-                                     budget_bytes=t.options.budget_bytes)
+        assert opts == TracerOptions(
+            str(tmp_path / "t"), layers="all", steps=(2, 9), tensors=True, budget_bytes=t.options.budget_bytes
+        )
     finally:
         tracer.stop()
     assert "PAGEDTRACE_DIR" not in os.environ
@@ -106,8 +106,12 @@ def test_kv_layout_of_names_a_stored_registry_layout():
 
     hnd = torch.empty(4, 2, 16, 8)  # (blocks, heads, tokens, 2D) allocated in that order
     nhd = torch.empty(4, 16, 2, 8).transpose(1, 2)
-    names = [kv_layout_of(object(), nhd), kv_layout_of(object(), hnd),
-             kv_layout_of(CPUAttentionBackendImpl("vec"), hnd), kv_layout_of(CPUAttentionBackendImpl("amx"), hnd)]
+    names = [
+        kv_layout_of(object(), nhd),
+        kv_layout_of(object(), hnd),
+        kv_layout_of(CPUAttentionBackendImpl("vec"), hnd),
+        kv_layout_of(CPUAttentionBackendImpl("amx"), hnd),
+    ]
     assert names == ["flash_nhd", "flash_hnd", "cpu", "cpu_amx"]
     assert set(names) <= set(STORED_LAYOUTS)
     assert hooks.TracerOptions is TracerOptions  # still importable where the rooms import it

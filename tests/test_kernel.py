@@ -28,13 +28,20 @@ def batches(draw):
     # Prefill (q = s), chunked prefill (q < s), decode (q = 1) and idle rows (q = 0).
     q_lens = [draw(st.one_of(st.just(0), st.just(1), st.just(s), st.integers(0, s))) for s in seq_lens]
     return make_batch(
-        seq_lens, q_lens,
-        num_kv_heads=draw(st.integers(1, 2)), group=draw(st.integers(1, 3)),
-        head_size=draw(st.sampled_from([8, 16])), block_size=block_size,
+        seq_lens,
+        q_lens,
+        num_kv_heads=draw(st.integers(1, 2)),
+        group=draw(st.integers(1, 3)),
+        head_size=draw(st.sampled_from([8, 16])),
+        block_size=block_size,
         causal=draw(st.booleans()),
         window=(draw(st.sampled_from([-1, 0, 1, 5, 17])), draw(st.sampled_from([-1, 0, 3]))),
-        softcap=draw(st.sampled_from([0.0, 3.0])), alibi=draw(st.booleans()), sinks=draw(st.booleans()),
-        fp8=draw(st.booleans()), spare_blocks=draw(st.integers(0, 3)), pad_rows=draw(st.integers(0, 2)),
+        softcap=draw(st.sampled_from([0.0, 3.0])),
+        alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
+        fp8=draw(st.booleans()),
+        spare_blocks=draw(st.integers(0, 3)),
+        pad_rows=draw(st.integers(0, 2)),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -54,14 +61,15 @@ def test_all_forms_match_dense(batch, partition_blocks, tiny_budget):
         "loop": K.paged_attention_loop(*batch.args, **batch.kwargs),
         "fast": F.paged_attention_fast(*batch.args, **batch.kwargs, **budget),
         "partitioned": K.paged_attention_partitioned(
-            *batch.args, **batch.kwargs, partition_size=partition_blocks * block_size),
+            *batch.args, **batch.kwargs, partition_size=partition_blocks * block_size
+        ),
     }
     for name, out in outs.items():
         assert out.dtype == torch.float32 and out.shape == batch.query.shape, name
         assert torch.isfinite(out).all(), name
         torch.testing.assert_close(out.double(), expected, atol=ATOL_FP32, rtol=0, msg=name)
         # Rows past query_start_loc[-1] are not queries: untouched zeros.
-        assert not out[int(batch.query_start_loc[-1]):].any(), name
+        assert not out[int(batch.query_start_loc[-1]) :].any(), name
 
 
 @settings(max_examples=15, deadline=None)
@@ -90,8 +98,9 @@ def test_one_sequence_chunk_edges(q_len, window, causal):
     batch = make_batch([6], [q_len], block_size=4, window=window, causal=causal, pad_rows=0)
     expected = batch.dense()
     for fn in (K.paged_attention_loop, F.paged_attention_fast, K.paged_attention_partitioned):
-        torch.testing.assert_close(fn(*batch.args, **batch.kwargs).double(), expected, atol=ATOL_FP32, rtol=0,
-                                   msg=fn.__name__)
+        torch.testing.assert_close(
+            fn(*batch.args, **batch.kwargs).double(), expected, atol=ATOL_FP32, rtol=0, msg=fn.__name__
+        )
 
 
 def test_fast_lse_is_the_log_denominator():
@@ -152,8 +161,9 @@ def test_reading_a_cpu_cache_as_flash_gives_another_answer():
     batch.key_cache.nan_to_num_(0.0)
     batch.value_cache.nan_to_num_(0.0)
     cpu = L.kv_to_cpu(batch.key_cache, batch.value_cache)
-    right = dataclasses.replace(batch, key_cache=L.read_kv(cpu, L.LAYOUT_CPU, 16)[0],
-                                value_cache=L.read_kv(cpu, L.LAYOUT_CPU, 16)[1])
+    right = dataclasses.replace(
+        batch, key_cache=L.read_kv(cpu, L.LAYOUT_CPU, 16)[0], value_cache=L.read_kv(cpu, L.LAYOUT_CPU, 16)[1]
+    )
     wrong_k, wrong_v = L.read_kv(cpu, L.LAYOUT_FLASH_NHD, 16)
     wrong = dataclasses.replace(batch, key_cache=wrong_k, value_cache=wrong_v)
     expected = F.paged_attention_fast(*batch.args, **batch.kwargs)
@@ -164,7 +174,8 @@ def test_reading_a_cpu_cache_as_flash_gives_another_answer():
 def test_fp8_bytes_are_not_integers():
     batch = make_batch([9], [9], fp8=True)
     as_ints = dataclasses.replace(
-        batch, key_cache=batch.key_cache.float().nan_to_num(0.0), value_cache=batch.value_cache.float().nan_to_num(0.0))
+        batch, key_cache=batch.key_cache.float().nan_to_num(0.0), value_cache=batch.value_cache.float().nan_to_num(0.0)
+    )
     good = F.paged_attention_fast(*batch.args, **batch.kwargs)
     torch.testing.assert_close(good.double(), batch.dense(), atol=ATOL_FP32, rtol=0)
     assert (F.paged_attention_fast(*as_ints.args, **as_ints.kwargs) - good).abs().max() > 1e-2
@@ -174,8 +185,12 @@ def test_fp8_bytes_are_not_integers():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seq_len=st.integers(1, 30), q_len=st.integers(1, 5), cuts=st.lists(st.integers(0, 30), max_size=4),
-       seed=st.integers(0, 2**16))
+@given(
+    seq_len=st.integers(1, 30),
+    q_len=st.integers(1, 5),
+    cuts=st.lists(st.integers(0, 30), max_size=4),
+    seed=st.integers(0, 2**16),
+)
 def test_combine_partitions_equals_unsplit(seq_len, q_len, cuts, seed):
     q_len = min(q_len, seq_len)
     gen = torch.Generator().manual_seed(seed)
@@ -224,11 +239,25 @@ def test_cascade_prefix_plus_suffix_equals_full():
     assert all(s - q >= prefix_len for s, q in zip(seq_lens, q_lens))  # no query inside the prefix
     opts = dict(batch.kwargs)
     prefix_out, prefix_lse = F.paged_attention_fast(
-        batch.query, batch.key_cache, batch.value_cache, batch.block_table[:, :prefix_blocks],
-        torch.full((3,), prefix_len), batch.query_start_loc, **{**opts, "causal": False}, return_lse=True)
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table[:, :prefix_blocks],
+        torch.full((3,), prefix_len),
+        batch.query_start_loc,
+        **{**opts, "causal": False},
+        return_lse=True,
+    )
     suffix_out, suffix_lse = F.paged_attention_fast(
-        batch.query, batch.key_cache, batch.value_cache, batch.block_table[:, prefix_blocks:],
-        batch.seq_lens - prefix_len, batch.query_start_loc, **opts, return_lse=True)
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table[:, prefix_blocks:],
+        batch.seq_lens - prefix_len,
+        batch.query_start_loc,
+        **opts,
+        return_lse=True,
+    )
     merged, _ = K.combine_partitions(torch.stack([prefix_out, suffix_out]), torch.stack([prefix_lse, suffix_lse]))
     full = F.paged_attention_fast(*batch.args, **opts)
     torch.testing.assert_close(merged, full, atol=1e-5, rtol=0)
@@ -242,8 +271,7 @@ def test_cascade_prefix_plus_suffix_equals_full():
 
 def test_every_form_declares_the_options_with_their_defaults():
     """Each kernel's keywords are KernelOptions' fields, with the same defaults."""
-    for fn in (K.paged_attention_loop, K.paged_attention_partitioned, F.paged_attention_fast,
-               paged_attention_compiled):
+    for fn in (K.paged_attention_loop, K.paged_attention_partitioned, F.paged_attention_fast, paged_attention_compiled):
         params = inspect.signature(fn).parameters
         for field in dataclasses.fields(KernelOptions):
             param = params[field.name]

@@ -24,8 +24,10 @@ def _random_kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[t
     """Two distinct random caches ``[nb, bs, H_kv, D]``; uint8 stands for fp8 bytes."""
     gen = torch.Generator().manual_seed(seed)
     if dtype == torch.uint8:
-        return (torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8),
-                torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8))
+        return (
+            torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8),
+            torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8),
+        )
     return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
 
 
@@ -48,8 +50,12 @@ def cache_shapes(draw, multiple_of_16: bool = False):
 
 
 @SETTINGS
-@given(shape=cache_shapes(), dtype=st.sampled_from(DTYPES), layout=st.sampled_from(["NHD", "HND"]),
-       seed=st.integers(0, 2**16))
+@given(
+    shape=cache_shapes(),
+    dtype=st.sampled_from(DTYPES),
+    layout=st.sampled_from(["NHD", "HND"]),
+    seed=st.integers(0, 2**16),
+)
 def test_flash_round_trip_has_vllm_strides(shape, dtype, layout, seed):
     key, value = _random_kv(shape, dtype, seed)
     nb, bs, nh, d = shape
@@ -176,8 +182,18 @@ def test_element_offset_points_at_the_element_in_memory(layout, dtype, shape, wh
     }[layout]()
     desc = L.describe_layout(layout, nb, nh, bs, d, key.element_size())
     view = desc.k_view if which == "k" else desc.v_view
-    offset = L.element_offset(layout, block, head, token, dim, which, num_kv_heads=nh, block_size=bs,
-                              head_size=d, element_size=key.element_size())
+    offset = L.element_offset(
+        layout,
+        block,
+        head,
+        token,
+        dim,
+        which,
+        num_kv_heads=nh,
+        block_size=bs,
+        head_size=d,
+        element_size=key.element_size(),
+    )
     hits = _memory(stored[view.tensor]).nonzero().flatten().tolist()
     assert hits == [offset]
     # The description's tensors are the ones in memory, with their real strides.
@@ -291,7 +307,13 @@ def test_cpu_layouts_match_vllm_cache_writer():
     except ValueError:
         pytest.skip("vllm is not importable")
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_VLLM_CHECK)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_VLLM_CHECK)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("ok ") >= 3

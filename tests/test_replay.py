@@ -20,8 +20,7 @@ from rich.console import Console
 from pagedtrace.cli import main
 from reference_impl.layouts import cpu_layout_for
 from reference_impl.replay import LAYOUT_CPU_AMX, TOL_EPS, TOL_K, ReplayReport, replay_trace
-from tracer.format import StepRecord
-from tracer.format import Trace
+from tracer.format import StepRecord, Trace
 
 pytestmark = pytest.mark.engine
 
@@ -106,8 +105,9 @@ def test_cpu_layout_is_the_packing_this_host_uses(trace, report):
     assert report.layout == expected
 
 
-NEEDS_CXX = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                               reason="no C++ compiler for the compiled kernel")
+NEEDS_CXX = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler for the compiled kernel"
+)
 
 
 @pytest.mark.parametrize("kernel", ["loop", "partitioned", pytest.param("compiled", marks=NEEDS_CXX)])
@@ -173,7 +173,7 @@ def _swap_first_private_block(record: StepRecord) -> StepRecord:
     while all(len(row) > shared and row[shared] == row0[shared] for row in record.block_table):
         shared += 1
     other = next(row[shared] for row in record.block_table[1:] if row[shared] not in row0)
-    row0 = row0[:shared] + (other,) + row0[shared + 1:]
+    row0 = row0[:shared] + (other,) + row0[shared + 1 :]
     return dataclasses.replace(record, block_table=(row0, *record.block_table[1:]))
 
 
@@ -206,8 +206,9 @@ def test_cache_read_in_the_wrong_layout_fails(trace, report, layout):
 
 
 def test_slot_mapping_off_by_one_fails_the_write_check(trace):
-    shifted = _with_records(trace, lambda r: dataclasses.replace(
-        r, slot_mapping=tuple(s + 1 if s >= 0 else s for s in r.slot_mapping)))
+    shifted = _with_records(
+        trace, lambda r: dataclasses.replace(r, slot_mapping=tuple(s + 1 if s >= 0 else s for s in r.slot_mapping))
+    )
     bad = replay_trace(shifted, check_legacy=False)
     assert not bad.ok
     assert all(w.mismatches == w.tokens > 0 and w.first_mismatch == 0 for w in bad.write_path)
@@ -217,8 +218,9 @@ def test_slot_mapping_off_by_one_fails_the_write_check(trace):
 
 
 def test_one_token_off_by_one_is_counted_alone(trace):
-    one = _with_records(trace, lambda r: dataclasses.replace(
-        r, slot_mapping=(r.slot_mapping[0] + 1, *r.slot_mapping[1:])))
+    one = _with_records(
+        trace, lambda r: dataclasses.replace(r, slot_mapping=(r.slot_mapping[0] + 1, *r.slot_mapping[1:]))
+    )
     bad = replay_trace(one, check_legacy=False)
     assert all(w.mismatches == 1 and w.first_mismatch == 0 for w in bad.write_path)
 
@@ -317,8 +319,11 @@ def test_compiled_kernel_that_cannot_build_is_a_clear_error(cpu_trace, monkeypat
     from reference_impl import compiled
 
     monkeypatch.setattr(compiled, "_module", None)
-    monkeypatch.setattr(compiled, "_error", "cannot build the compiled decode kernel (it needs "
-                                            "a C++ compiler and ninja): no compiler here")
+    monkeypatch.setattr(
+        compiled,
+        "_error",
+        "cannot build the compiled decode kernel (it needs a C++ compiler and ninja): no compiler here",
+    )
     code, out = _cli("replay", str(cpu_trace), "--kernel", "compiled")
     assert code == 2
     assert "cannot build the compiled decode kernel" in out and "use --kernel fast" in out

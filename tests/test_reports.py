@@ -78,15 +78,19 @@ FAKE_REFERENCE = (
 )
 
 
-
-
 def _spec(layout: str) -> KVCacheSpec:
     flash = layout != "cpu"
     return kv_spec(
-        layer_names=(L0, L1), block_size=BS, shape=(64, 2, BS, 128),
-        stride=(4096, 128, 256, 1) if flash else (4096, 2048, 128, 1), layout=layout,
-        physical_order="(blocks, tokens, heads, K|V)" if flash else "(blocks, heads, [K^T (D, tokens) | V (tokens, D)])",
-        backend_kv_cache_shape=(64, 2, BS, 128), backend_stride_order=(0, 2, 1, 3) if flash else None,
+        layer_names=(L0, L1),
+        block_size=BS,
+        shape=(64, 2, BS, 128),
+        stride=(4096, 128, 256, 1) if flash else (4096, 2048, 128, 1),
+        layout=layout,
+        physical_order="(blocks, tokens, heads, K|V)"
+        if flash
+        else "(blocks, heads, [K^T (D, tokens) | V (tokens, D)])",
+        backend_kv_cache_shape=(64, 2, BS, 128),
+        backend_stride_order=(0, 2, 1, 3) if flash else None,
     )
 
 
@@ -108,40 +112,81 @@ def _steps(req_a: str, req_b: str):
     ]
 
 
-def step_result(step: int, layer: str, ok: bool, max_abs: float = 0.0, max_rel: float = 0.0, tol: float = 0.01,
-                heads: tuple[HeadResult, ...] = ()) -> StepResult:
+def step_result(
+    step: int,
+    layer: str,
+    ok: bool,
+    max_abs: float = 0.0,
+    max_rel: float = 0.0,
+    tol: float = 0.01,
+    heads: tuple[HeadResult, ...] = (),
+) -> StepResult:
     """A replay result of one (step, layer), with the numbers the pages show."""
-    return StepResult(step=step, layer=layer, kind="request", num_reqs=1, num_tokens=1, ok=ok, max_abs=max_abs,
-                      max_rel=max_rel, tol=tol, baseline_max_abs=tol / 2, heads=heads)
+    return StepResult(
+        step=step,
+        layer=layer,
+        kind="request",
+        num_reqs=1,
+        num_tokens=1,
+        ok=ok,
+        max_abs=max_abs,
+        max_rel=max_rel,
+        tol=tol,
+        baseline_max_abs=tol / 2,
+        heads=heads,
+    )
 
 
 def replay_json(*steps: StepResult, write_path: tuple[WriteCheck, ...] = ()) -> dict:
     """``replay.json`` as ``pagedtrace replay`` writes it."""
-    return ReplayReport(kernel="fast", layout="flash_nhd", recorded_layout="flash_nhd",
-                        tolerance=Tolerance(2.0, 1e-5, "float64"), steps=steps, write_path=write_path,
-                        legacy=()).to_json()
+    return ReplayReport(
+        kernel="fast",
+        layout="flash_nhd",
+        recorded_layout="flash_nhd",
+        tolerance=Tolerance(2.0, 1e-5, "float64"),
+        steps=steps,
+        write_path=write_path,
+        legacy=(),
+    ).to_json()
 
 
 REPLAY = replay_json(
     step_result(2, L0, True, 0.0012, 0.003, heads=tuple(HeadResult(h, True, 0.001, 0.002) for h in range(4))),
-    step_result(3, L0, False, 0.5, 0.2,
-                heads=tuple(HeadResult(h, h != 2, 0.5 if h == 2 else 0.001, 0.1) for h in range(4))),
+    step_result(
+        3, L0, False, 0.5, 0.2, heads=tuple(HeadResult(h, h != 2, 0.5 if h == 2 else 0.001, 0.1) for h in range(4))
+    ),
     write_path=(WriteCheck(step=2, layer=L0, ok=True, tokens=20, mismatches=0),),
 )
 
 
-def make_trace(path: Path, *, model: str = "tiny-llama", req_a: str = "req-a", req_b: str = "req-b",
-               layers=(L0, L1), layout: str = "flash_nhd", replay=REPLAY, sources: bool = True) -> Path:
+def make_trace(
+    path: Path,
+    *,
+    model: str = "tiny-llama",
+    req_a: str = "req-a",
+    req_b: str = "req-b",
+    layers=(L0, L1),
+    layout: str = "flash_nhd",
+    replay=REPLAY,
+    sources: bool = True,
+) -> Path:
     """Write the synthetic trace: real vLLM sources, 5 recorded steps over 2 layers, 2 gaps."""
     flash = layout != "cpu"
     with TraceWriter(path) as writer:
         stored = store_sources(writer, read_sources(SITE)) if sources and SITE else {}
-        writer.write_manifest(run_info(
-            "flash" if flash else "cpu", device_name="NVIDIA H200" if flash else "test CPU",
-            cudagraph_mode="PIECEWISE" if flash else "NONE", enforce_eager=not flash,
-            model=model_summary(name=model, num_layers=2), kv_cache=_spec(layout), options={"layers": "all"},
-            created_at="2026-11-30T08:00:00+00:00", sources=stored,
-        ))
+        writer.write_manifest(
+            run_info(
+                "flash" if flash else "cpu",
+                device_name="NVIDIA H200" if flash else "test CPU",
+                cudagraph_mode="PIECEWISE" if flash else "NONE",
+                enforce_eager=not flash,
+                model=model_summary(name=model, num_layers=2),
+                kv_cache=_spec(layout),
+                options={"layers": "all"},
+                created_at="2026-11-30T08:00:00+00:00",
+                sources=stored,
+            )
+        )
         for item in _steps(req_a, req_b):
             if isinstance(item, GapRecord):
                 writer.append(item)
@@ -173,12 +218,24 @@ def report_dir(trace_dir, tmp_path_factory) -> Path:
 @needs_vllm_sources
 def test_report_writes_every_page(report_dir):
     names = sorted(p.name for p in report_dir.iterdir())
-    assert names == sorted([
-        "index.html", "tour.html", "style.css", "report.js",
-        "src-attention.html", "src-flash_attn.html", "src-cpu_attn.html", "src-paged_attn.html",
-        "src-block_table.html",
-        "step-000000.html", "step-000002.html", "step-000003.html", "step-000004.html", "step-000006.html",
-    ])
+    assert names == sorted(
+        [
+            "index.html",
+            "tour.html",
+            "style.css",
+            "report.js",
+            "src-attention.html",
+            "src-flash_attn.html",
+            "src-cpu_attn.html",
+            "src-paged_attn.html",
+            "src-block_table.html",
+            "step-000000.html",
+            "step-000002.html",
+            "step-000003.html",
+            "step-000004.html",
+            "step-000006.html",
+        ]
+    )
     index = (report_dir / "index.html").read_text()
     # Relative links only: the site works from file:// and offline.
     for href in re.findall(r'(?:href|src)="([^"]+)"', index):
@@ -227,8 +284,9 @@ def compare_gold(name: str, actual: str) -> None:
     assert gold.is_file(), f"no gold file {gold}; run with PAGEDTRACE_UPDATE_GOLD=1"
     expected = gold.read_text(encoding="utf-8")
     if actual != expected:
-        diff = "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True),
-                                            f"gold/{name}", "actual", n=2))
+        diff = "".join(
+            difflib.unified_diff(expected.splitlines(True), actual.splitlines(True), f"gold/{name}", "actual", n=2)
+        )
         pytest.fail(f"{name} differs from gold (PAGEDTRACE_UPDATE_GOLD=1 to accept):\n{diff[:6000]}")
 
 
@@ -261,8 +319,13 @@ def test_step_view_marks_shared_and_written_blocks(trace_dir):
 
 def layout_run(layout: str = "flash_nhd") -> RunInfo:
     """A RunInfo carrying only what step views and layouts read."""
-    return run_info("flash", device_name="test", attention_backend="FlashAttentionImpl", kv_cache=_spec(layout),
-                    created_at="2026-11-30T08:00:00+00:00")
+    return run_info(
+        "flash",
+        device_name="test",
+        attention_backend="FlashAttentionImpl",
+        kv_cache=_spec(layout),
+        created_at="2026-11-30T08:00:00+00:00",
+    )
 
 
 def test_layout_drawings():
@@ -276,9 +339,15 @@ def test_layout_drawings():
 
 
 def _amx_spec() -> KVCacheSpec:
-    return replace(_spec("cpu"), block_size=32, shape=(64, 2, 32, 128), stride=(8192, 4096, 128, 1),
-                   backend_kv_cache_shape=(64, 2, 32, 128), layout="cpu_amx",
-                   physical_order="(blocks, heads, [K | V] packed in AMX tiles)")
+    return replace(
+        _spec("cpu"),
+        block_size=32,
+        shape=(64, 2, 32, 128),
+        stride=(8192, 4096, 128, 1),
+        backend_kv_cache_shape=(64, 2, 32, 128),
+        layout="cpu_amx",
+        physical_order="(blocks, heads, [K | V] packed in AMX tiles)",
+    )
 
 
 def test_amx_layout_drawing_matches_the_reference_layout():
@@ -286,7 +355,7 @@ def test_amx_layout_drawing_matches_the_reference_layout():
     labels = [b.label for b in view.boxes]
     assert {"K t0–15", "K t16–31", "V d0–15", "V d48–63", "head 0", "head 1"} <= set(labels)
     # In a tile: K pairs two dims of one token, V two tokens of one dim.
-    k_zoom = labels[labels.index("in a tile") + 1:][:6]
+    k_zoom = labels[labels.index("in a tile") + 1 :][:6]
     assert k_zoom == ["t0 d0", "t0 d1", "t1 d0", "t1 d1", "t2 d0", "t2 d1"]
     assert "t0 d2" in labels and "t0 d15" in labels and "t2 d0" in labels
     # The printed formulas agree with the layout registry's element_offset.
@@ -297,7 +366,8 @@ def test_amx_layout_drawing_matches_the_reference_layout():
         for which, formula in (("k", k_formula), ("v", v_formula)):
             expr = formula.split(" at element ")[1]
             assert eval(expr, {"b": b, "h": h, "t": t, "d": d}) == element_offset(
-                "cpu_amx", b, h, t, d, which, num_kv_heads=2, block_size=32, head_size=64)
+                "cpu_amx", b, h, t, d, which, num_kv_heads=2, block_size=32, head_size=64
+            )
     assert "no drawing" not in view.caption
 
 
@@ -330,8 +400,10 @@ def test_tour_highlights_the_lines_the_reference_kernel_marks(trace_dir):
         wanted = {start + i for i, m in enumerate(marks) if m == mark}
         assert {line.number for line in stops[stop].lines if line.marked} == wanted, stop
     # The block loop is what the block stop marks, the running max/sum/accumulator what the softmax stop marks.
-    marked = {m: [line.strip() for line, lm in zip(shown.splitlines(), marks, strict=True) if lm == m]
-              for m in (BLOCK_MARK, SOFTMAX_MARK)}
+    marked = {
+        m: [line.strip() for line, lm in zip(shown.splitlines(), marks, strict=True) if lm == m]
+        for m in (BLOCK_MARK, SOFTMAX_MARK)
+    }
     assert marked[BLOCK_MARK][0].startswith("for j in range") and any("block_table[" in x for x in marked[BLOCK_MARK])
     assert [x.split(" =")[0] for x in marked[SOFTMAX_MARK][:5]] == ["m_new", "rescale", "l", "acc", "m"]
     assert "acc / l" in marked[SOFTMAX_MARK][-1]
@@ -349,13 +421,13 @@ def test_replay_verdicts_are_read_tolerantly(trace_dir, tmp_path):
     missing = make_trace(tmp_path / "missing", replay=None, sources=False)
     assert read_replay(Trace.open(missing)).overall.text == "not replayed"
     # A file that parses but is not a replay report: not replayed, and the reason is listed.
-    malformed = make_trace(tmp_path / "malformed", replay={**REPLAY, "steps": [*REPLAY["steps"], "not an entry"]},
-                           sources=False)
+    malformed = make_trace(
+        tmp_path / "malformed", replay={**REPLAY, "steps": [*REPLAY["steps"], "not an entry"]}, sources=False
+    )
     unusable = read_replay(Trace.open(malformed))
     assert unusable.overall.text == "not replayed" and "step result: expected an object" in unusable.problem
     # Non-finite errors come back as NaN and are shown as a dash.
-    nan = make_trace(tmp_path / "nan", replay=replay_json(step_result(2, L0, False, math.nan, math.inf)),
-                     sources=False)
+    nan = make_trace(tmp_path / "nan", replay=replay_json(step_result(2, L0, False, math.nan, math.inf)), sources=False)
     (verdict,) = layer_verdicts(read_replay(Trace.open(nan)).by_step[2])
     assert (verdict.max_abs, verdict.max_rel, verdict.verdict.text) == ("–", "–", "FAIL (max abs –)")
 
@@ -380,8 +452,7 @@ def test_source_page_embeds_values_for_every_step(report_dir):
     data = json.loads(re.search(r'<script type="application/json" id="pt-data">(.*?)</script>', html, re.S).group(1))
     assert data["steps"] == [0, 2, 3, 4, 6] and data["default"] == 2
     anchor = next(a for a in data["anchors"] if a["key"] == "flash_attn.forward.num_actual_tokens")
-    assert [data["texts"][i][0] for i in anchor["steps"]] == [
-        f"num_actual_tokens = {n}" for n in (16, 20, 9, 2, 7)]
+    assert [data["texts"][i][0] for i in anchor["steps"]] == [f"num_actual_tokens = {n}" for n in (16, 20, 9, 2, 7)]
     line = locate((SITE / FLASH_ATTN).read_text(), FLASH_ATTN).locations[anchor["key"]].line
     assert anchor["line"] == line
     assert f'id="line-{line}" class="l a"' in html
@@ -435,8 +506,9 @@ def test_report_of_the_h200_fa3_traces(variant, tmp_path):
     assert "flash_nhd: (blocks, tokens, heads, K|V)" in index and "K h0" in index
     assert "no drawing" not in index
     # paged_attn.py is listed as off the 0.26 path; flash_attn.py as on it.
-    files = dict(re.findall(r'<tr( class="offpath")?>\s*<td><a href="src-(\w+)\.html"', index)[i][::-1]
-                 for i in range(5))
+    files = dict(
+        re.findall(r'<tr( class="offpath")?>\s*<td><a href="src-(\w+)\.html"', index)[i][::-1] for i in range(5)
+    )
     assert files["paged_attn"] and files["cpu_attn"] and not files["flash_attn"]
     fa = (out / "src-flash_attn.html").read_text()
     assert "This trace ran" not in fa and "not this backend" not in fa
@@ -445,7 +517,7 @@ def test_report_of_the_h200_fa3_traces(variant, tmp_path):
     assert "num_blocks = kv_cache.shape[1] = 4 (that is num_kv_heads" in paged
     assert "would fail in torch" in paged
     # The gaps: grouped by reason, consecutive runs on one row of the step list.
-    gaps = index[index.index('<section id="gaps">'):]
+    gaps = index[index.index('<section id="gaps">') :]
     assert "<tr><td>1–12</td><td>12</td><td>warmup</td>" in gaps or variant == "eager"
     if variant == "default":
         assert "<tr><td>14, 16, 18, 20, 22, 24</td><td>6</td><td>warmup</td><td>[32, 16, 8, 4, 2, 1]</td>" in gaps
@@ -482,8 +554,13 @@ EVIL_LAYER = "layers.0</script><script>alert(1)</script>"
 
 
 def test_untrusted_strings_render_inert(tmp_path):
-    trace = make_trace(tmp_path / "trace", model=EVIL_MODEL, req_a=EVIL_REQUEST, layers=(EVIL_LAYER,),
-                       replay=replay_json(step_result(3, EVIL_LAYER, True)))
+    trace = make_trace(
+        tmp_path / "trace",
+        model=EVIL_MODEL,
+        req_a=EVIL_REQUEST,
+        layers=(EVIL_LAYER,),
+        replay=replay_json(step_result(3, EVIL_LAYER, True)),
+    )
     site = tmp_path / "site"
     write_report(trace, site)
     pages = {p.name: p.read_text() for p in site.glob("*.html")}
@@ -518,10 +595,13 @@ def test_report_command(trace_dir, tmp_path):
     assert (tmp_path / "site" / "index.html").is_file()
 
 
-@pytest.mark.parametrize("argv", [
-    ["report", "{missing}", "-o", "{out}"],
-    ["annotate", "flash_attn.py", "--trace", "{missing}"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["report", "{missing}", "-o", "{out}"],
+        ["annotate", "flash_attn.py", "--trace", "{missing}"],
+    ],
+)
 def test_bad_trace_path_is_a_one_line_error(tmp_path, argv):
     argv = [a.format(missing=tmp_path / "missing", out=tmp_path / "site") for a in argv]
     code, out = run_cli(argv)
@@ -555,8 +635,16 @@ CHROMIUM = Path("/usr/bin/chromium")
 
 def chromium(args: list[str], profile: Path) -> subprocess.CompletedProcess:
     """Run headless chromium with a throwaway profile and nothing reaching out to the network."""
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+    ]
     return subprocess.run([str(CHROMIUM), *flags, *args], capture_output=True, text=True, timeout=120)
 
 
@@ -588,8 +676,9 @@ def test_report_in_headless_chromium(report_dir, tmp_path):
     assert "num_actual_tokens: num_actual_tokens = 9" in selected
 
     shot = tmp_path / "index.png"
-    proc = chromium(["--window-size=1280,900", f"--screenshot={shot}", (report_dir / "index.html").as_uri()],
-                    tmp_path / "profile")
+    proc = chromium(
+        ["--window-size=1280,900", f"--screenshot={shot}", (report_dir / "index.html").as_uri()], tmp_path / "profile"
+    )
     assert shot.is_file(), proc.stderr[-2000:]
     assert not png_is_blank(shot)
 

@@ -11,9 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracer.format import STEP_KINDS, STORED_LAYOUTS, GapRecord, RunInfo, StepRecord, TraceError
-from tracer.format import MANIFEST, STEPS, Trace, TraceWriter
 from tests.factories import kv_spec, run_info, step_record
+from tracer.format import (
+    MANIFEST,
+    STEP_KINDS,
+    STEPS,
+    STORED_LAYOUTS,
+    GapRecord,
+    RunInfo,
+    StepRecord,
+    Trace,
+    TraceError,
+    TraceWriter,
+)
 
 
 def _run() -> RunInfo:
@@ -39,8 +49,9 @@ def test_round_trip(trace_dir):
     t = Trace.open(trace_dir)
     assert t.run == _run()
     assert [r.step for r in t.records] == [1, 2, 3] and t.gaps[0].kind == "profile"
-    assert t.records[0] == StepRecord(**{**_step(1).__dict__, "tensors": t.records[0].tensors,
-                                         "tensor_names": ("output", "query")})
+    assert t.records[0] == StepRecord(
+        **{**_step(1).__dict__, "tensors": t.records[0].tensors, "tensor_names": ("output", "query")}
+    )
     assert t.tensors(t.records[2])["query"].eq(3.0).all()
     assert t.records[0].query_lens == (1,) and t.records[0].num_reqs == 1
 
@@ -107,8 +118,9 @@ def test_no_pickle_in_a_trace(trace_dir):
 
 
 def test_shared_blocks_are_blocks_in_more_than_one_row():
-    rec = dataclasses.replace(_step(1), block_table=((1, 2, 7), (1, 2, 8), (1, 9)), seq_lens=(40, 40, 20),
-                              query_start_loc=(0, 1, 2, 3))
+    rec = dataclasses.replace(
+        _step(1), block_table=((1, 2, 7), (1, 2, 8), (1, 9)), seq_lens=(40, 40, 20), query_start_loc=(0, 1, 2, 3)
+    )
     assert rec.shared_blocks == {1, 2}
     assert dataclasses.replace(rec, block_table=((3, 3), (4,))).shared_blocks == frozenset()
 
@@ -167,7 +179,9 @@ def test_the_frozen_v1_trace_opens():
     t = Trace.open(V1_MINIMAL)
     assert t.run.format_version == 1 and t.run.model.name == "tiny" and t.run.kv_cache.layout == "cpu"
     assert [(r.step, r.kind, r.num_actual_tokens, r.seq_lens) for r in t.records] == [
-        (3, "request", 20, (20,)), (4, "request", 1, (21,))]
+        (3, "request", 20, (20,)),
+        (4, "request", 1, (21,)),
+    ]
     assert t.records[0].slot_mapping == tuple(range(32, 52))  # block 1, offsets 0..19
     assert all(r.alibi_slopes is None and r.sinks is None and r.tensors is None for r in t.records)
     assert t.gaps == [] and t.problems == [] and t.run.sources == {}

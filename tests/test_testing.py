@@ -49,25 +49,28 @@ H200 = ROOT / "tests" / "fixtures" / "h200-qwen2.5-7b-eager"
 
 def contiguous_blocks(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, **kwargs):
     """Wrong: reads each sequence's blocks as consecutive cache rows from its first block."""
-    table = (block_table[:, :1] + torch.arange(block_table.shape[1], dtype=block_table.dtype))
-    return F.paged_attention_fast(query, key_cache, value_cache, table.clamp_max(key_cache.shape[0] - 1),
-                                  seq_lens, query_start_loc, **kwargs)
+    table = block_table[:, :1] + torch.arange(block_table.shape[1], dtype=block_table.dtype)
+    return F.paged_attention_fast(
+        query, key_cache, value_cache, table.clamp_max(key_cache.shape[0] - 1), seq_lens, query_start_loc, **kwargs
+    )
 
 
 def unscaled(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale, causal=True):
     """Wrong: drops the softmax scale."""
-    return F.paged_attention_fast(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                                  scale=1.0, causal=causal)
+    return F.paged_attention_fast(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=1.0, causal=causal
+    )
 
 
 def bf16_output(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale, causal=True):
     """Right, as a real kernel is: fp32 inside, output rounded to the activation dtype."""
-    out = F.paged_attention_fast(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-                                 scale=scale, causal=causal)
+    out = F.paged_attention_fast(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=scale, causal=causal
+    )
     return out.to(query.dtype)
 
 
-WRONG_KERNEL_MODULE = '''
+WRONG_KERNEL_MODULE = """
 import torch
 from reference_impl.fast import paged_attention_fast
 
@@ -75,7 +78,7 @@ def attn(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, 
     table = block_table[:, :1] + torch.arange(block_table.shape[1], dtype=block_table.dtype)
     return paged_attention_fast(query, key_cache, value_cache, table.clamp_max(key_cache.shape[0] - 1),
                                 seq_lens, query_start_loc, **kwargs)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +133,11 @@ def test_selection_by_steps_layers_and_kind():
         load_cases(H200 / "nope")
 
 
-@pytest.mark.parametrize("fn", [F.paged_attention_fast, K.paged_attention_loop, K.paged_attention_partitioned],
-                         ids=["fast", "loop", "partitioned"])
+@pytest.mark.parametrize(
+    "fn",
+    [F.paged_attention_fast, K.paged_attention_loop, K.paged_attention_partitioned],
+    ids=["fast", "loop", "partitioned"],
+)
 def test_reference_kernels_match_flash_attention_3_on_h200(h200_cases, fn):
     for case in h200_cases:
         result = assert_kernel_matches(fn, case)
@@ -252,8 +258,7 @@ def test_results_serialise(h200_cases):
     assert len(data["heads"]) == 28 and data["tol"] == pytest.approx(result.tol)
 
 
-def gathered_on_device(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale,
-                       causal=True):
+def gathered_on_device(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale, causal=True):
     """Right, and device-agnostic: per sequence, gather its blocks through the table, dense softmax."""
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     group = query.shape[1] // key_cache.shape[2]
@@ -269,8 +274,16 @@ def gathered_on_device(query, key_cache, value_cache, block_table, seq_lens, que
     return out
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
 def test_inputs_moved_to_the_kernels_device(h200_cases, device):
     seen = []
 
@@ -292,16 +305,19 @@ def test_load_kernel_by_module_and_by_file(wrong_kernel_dir):
     assert fn.__name__ == "attn"
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("paged_attention", "expected MODULE:FUNCTION"),
-    ("reference_impl.kernel:", "expected MODULE:FUNCTION"),
-    (":paged_attention_fast", "expected MODULE:FUNCTION"),
-    ("reference_impl.kernel:paged-attention", "expected MODULE:FUNCTION"),
-    ("no_such_module_xyz:attn", r"cannot import 'no_such_module_xyz'.*PYTHONPATH"),
-    ("reference_impl.kernel:nope", "has no attribute 'nope'"),
-    ("reference_impl.kernel:__all__", "is a list, not a function"),
-    ("/no/such/file.py:attn", "no file"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("paged_attention", "expected MODULE:FUNCTION"),
+        ("reference_impl.kernel:", "expected MODULE:FUNCTION"),
+        (":paged_attention_fast", "expected MODULE:FUNCTION"),
+        ("reference_impl.kernel:paged-attention", "expected MODULE:FUNCTION"),
+        ("no_such_module_xyz:attn", r"cannot import 'no_such_module_xyz'.*PYTHONPATH"),
+        ("reference_impl.kernel:nope", "has no attribute 'nope'"),
+        ("reference_impl.kernel:__all__", "is a list, not a function"),
+        ("/no/such/file.py:attn", "no file"),
+    ],
+)
 def test_load_kernel_bad_specs(spec, match):
     with pytest.raises(ValueError, match=match):
         load_kernel(spec)
@@ -326,10 +342,26 @@ def test_load_kernel_module_that_fails_to_import(tmp_path):
 def test_plugin_end_to_end_in_a_fresh_process(tmp_path):
     """The command the README gives, run as a user would: the reference kernel passes."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "reference_impl.pytest_plugin", "--pyargs",
-         "reference_impl.kernel_check", "--pagedtrace-trace", str(H200),
-         "--pagedtrace-kernel", "reference_impl.fast:paged_attention_fast", "-q", "-p", "no:cacheprovider"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "reference_impl.pytest_plugin",
+            "--pyargs",
+            "reference_impl.kernel_check",
+            "--pagedtrace-trace",
+            str(H200),
+            "--pagedtrace-kernel",
+            "reference_impl.fast:paged_attention_fast",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -337,8 +369,9 @@ def test_plugin_end_to_end_in_a_fresh_process(tmp_path):
 
 
 def _run_plugin(pytester, *args):
-    return pytester.runpytest("-p", "reference_impl.pytest_plugin", "--pyargs", "reference_impl.kernel_check",
-                              "-p", "no:cacheprovider", *args)
+    return pytester.runpytest(
+        "-p", "reference_impl.pytest_plugin", "--pyargs", "reference_impl.kernel_check", "-p", "no:cacheprovider", *args
+    )
 
 
 def test_plugin_fails_a_wrong_kernel_with_the_message(pytester, wrong_kernel_dir):
@@ -346,18 +379,27 @@ def test_plugin_fails_a_wrong_kernel_with_the_message(pytester, wrong_kernel_dir
     result = _run_plugin(pytester, "--pagedtrace-trace", str(H200), "--pagedtrace-kernel", "wrongattn:attn")
     result.assert_outcomes(failed=6)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines([
-        "*pagedtrace: kernel wrongattn:attn; traces h200-qwen2.5-7b-eager (6 case(s))*",
-        "*wrongattn:attn does NOT match vLLM on h200-qwen2.5-7b-eager/step5/layer0 (step 5, layer model.layers.0*",
-        "*max abs error * > tolerance *",
-        "*worst: head *, token * (request *), dim *",
-        "FAILED *test_kernel_matches_vllm?h200-qwen2.5-7b-eager/step9/layer0?*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*pagedtrace: kernel wrongattn:attn; traces h200-qwen2.5-7b-eager (6 case(s))*",
+            "*wrongattn:attn does NOT match vLLM on h200-qwen2.5-7b-eager/step5/layer0 (step 5, layer model.layers.0*",
+            "*max abs error * > tolerance *",
+            "*worst: head *, token * (request *), dim *",
+            "FAILED *test_kernel_matches_vllm?h200-qwen2.5-7b-eager/step9/layer0?*",
+        ]
+    )
 
 
 def test_plugin_selects_with_k_and_takes_a_file_kernel(pytester, wrong_kernel_dir):
-    result = _run_plugin(pytester, "--pagedtrace-trace", str(H200), "-k", "step4 or step5",
-                         "--pagedtrace-kernel", f"{wrong_kernel_dir / 'wrongattn.py'}:attn")
+    result = _run_plugin(
+        pytester,
+        "--pagedtrace-trace",
+        str(H200),
+        "-k",
+        "step4 or step5",
+        "--pagedtrace-kernel",
+        f"{wrong_kernel_dir / 'wrongattn.py'}:attn",
+    )
     result.assert_outcomes(failed=2)
 
 
@@ -366,11 +408,14 @@ def test_plugin_without_options_skips(pytester):
     _run_plugin(pytester, "--pagedtrace-trace", str(H200)).assert_outcomes(skipped=6)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--pagedtrace-kernel", "nocolon"], "--pagedtrace-kernel: bad kernel 'nocolon': expected MODULE:FUNCTION*"),
-    (["--pagedtrace-kernel", "no_such_module_xyz:attn"], "*cannot import 'no_such_module_xyz'*"),
-    (["--pagedtrace-trace", "no-such-trace"], "*--pagedtrace-trace no-such-trace: *not a trace directory*"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pagedtrace-kernel", "nocolon"], "--pagedtrace-kernel: bad kernel 'nocolon': expected MODULE:FUNCTION*"),
+        (["--pagedtrace-kernel", "no_such_module_xyz:attn"], "*cannot import 'no_such_module_xyz'*"),
+        (["--pagedtrace-trace", "no-such-trace"], "*--pagedtrace-trace no-such-trace: *not a trace directory*"),
+    ],
+)
 def test_plugin_usage_errors(pytester, args, message):
     result = _run_plugin(pytester, *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -378,7 +423,8 @@ def test_plugin_usage_errors(pytester, args, message):
 
 
 def test_plugin_fixture_in_your_own_tests(pytester):
-    pytester.makepyfile(test_mine="""
+    pytester.makepyfile(
+        test_mine="""
         from reference_impl.kernel import paged_attention_loop
         from reference_impl.testing import assert_kernel_matches
 
@@ -388,9 +434,11 @@ def test_plugin_fixture_in_your_own_tests(pytester):
 
         def test_untouched():
             pass
-    """)
-    result = pytester.runpytest("-p", "reference_impl.pytest_plugin", "--pagedtrace-trace", str(H200),
-                                "-p", "no:cacheprovider", "-v")
+    """
+    )
+    result = pytester.runpytest(
+        "-p", "reference_impl.pytest_plugin", "--pagedtrace-trace", str(H200), "-p", "no:cacheprovider", "-v"
+    )
     result.assert_outcomes(passed=7)
     result.stdout.fnmatch_lines(["*test_loop?h200-qwen2.5-7b-eager/step4/layer0? PASSED*"])
 
@@ -420,8 +468,9 @@ def test_cli_user_kernel_that_matches_exits_0(h200_copy):
 
 
 def test_cli_user_kernel_that_does_not_match_exits_1(h200_copy, wrong_kernel_dir):
-    code, out = _cli("replay", str(h200_copy), "--kernel", f"{wrong_kernel_dir / 'wrongattn.py'}:attn",
-                     "--steps", "4:6")
+    code, out = _cli(
+        "replay", str(h200_copy), "--kernel", f"{wrong_kernel_dir / 'wrongattn.py'}:attn", "--steps", "4:6"
+    )
     assert code == 1, out
     assert "MISMATCH: 2/2 step(s) outside tolerance" in out
     assert "does NOT match vLLM on trace/step4/layer0" in out and "worst: head" in out
@@ -440,12 +489,15 @@ def test_cli_kernel_in_the_current_directory_imports(h200_copy, wrong_kernel_dir
     assert code == 1 and "MISMATCH: 1/1" in out
 
 
-@pytest.mark.parametrize("kernel, message", [
-    ("fastest", "unknown kernel 'fastest': use one of fast, loop, partitioned, compiled or MODULE:FUNCTION"),
-    ("no_such_module_xyz:attn", "cannot import 'no_such_module_xyz'"),
-    ("reference_impl.kernel:nope", "has no attribute 'nope'"),
-    ("reference_impl.kernel:", "expected MODULE:FUNCTION"),
-])
+@pytest.mark.parametrize(
+    "kernel, message",
+    [
+        ("fastest", "unknown kernel 'fastest': use one of fast, loop, partitioned, compiled or MODULE:FUNCTION"),
+        ("no_such_module_xyz:attn", "cannot import 'no_such_module_xyz'"),
+        ("reference_impl.kernel:nope", "has no attribute 'nope'"),
+        ("reference_impl.kernel:", "expected MODULE:FUNCTION"),
+    ],
+)
 def test_cli_bad_kernel_spec_exits_2_with_one_line(h200_copy, kernel, message):
     code, out = _cli("replay", str(h200_copy), "--kernel", kernel)
     assert code == 2

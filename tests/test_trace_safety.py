@@ -9,26 +9,67 @@ import os
 import pytest
 import torch
 
-from tracer.format import MANIFEST, STEPS, FORMAT_VERSION, RunInfo, StepRecord, Trace, TraceError, TraceWriter
-from tracer.format import PAGED_ATTN, sha256_text, store_sources
+from tracer.format import (
+    FORMAT_VERSION,
+    MANIFEST,
+    PAGED_ATTN,
+    STEPS,
+    RunInfo,
+    StepRecord,
+    Trace,
+    TraceError,
+    TraceWriter,
+    sha256_text,
+    store_sources,
+)
 
 SECRET = "TOKEN=do-not-leak\n"
 
 
 def _run(sources: dict) -> RunInfo:
-    return RunInfo(format_version=FORMAT_VERSION, pagedtrace_version="0", vllm_version="0.26.0",
-                   torch_version="2.11.0", platform="CpuPlatform", device="cpu", device_name="cpu",
-                   attention_backend="x.Impl", flash_attn_version=None, cudagraph_mode="NONE",
-                   enforce_eager=True, model=None, kv_cache=None, options={}, sources=sources,
-                   created_at="2026-12-01T00:00:00+00:00")
+    return RunInfo(
+        format_version=FORMAT_VERSION,
+        pagedtrace_version="0",
+        vllm_version="0.26.0",
+        torch_version="2.11.0",
+        platform="CpuPlatform",
+        device="cpu",
+        device_name="cpu",
+        attention_backend="x.Impl",
+        flash_attn_version=None,
+        cudagraph_mode="NONE",
+        enforce_eager=True,
+        model=None,
+        kv_cache=None,
+        options={},
+        sources=sources,
+        created_at="2026-12-01T00:00:00+00:00",
+    )
 
 
 def _step() -> StepRecord:
-    return StepRecord(step=1, layer="model.layers.0.self_attn.attn", kind="request", request_ids=("0-a",),
-                      num_actual_tokens=1, query_start_loc=(0, 1), seq_lens=(17,), block_table=((3, 5),),
-                      slot_mapping=(80,), max_query_len=1, max_seq_len=17, causal=True,
-                      sliding_window=(-1, -1), logits_soft_cap=0.0, scale=0.125, use_cascade=False,
-                      num_splits=0, num_heads=2, num_kv_heads=1, head_size=4)
+    return StepRecord(
+        step=1,
+        layer="model.layers.0.self_attn.attn",
+        kind="request",
+        request_ids=("0-a",),
+        num_actual_tokens=1,
+        query_start_loc=(0, 1),
+        seq_lens=(17,),
+        block_table=((3, 5),),
+        slot_mapping=(80,),
+        max_query_len=1,
+        max_seq_len=17,
+        causal=True,
+        sliding_window=(-1, -1),
+        logits_soft_cap=0.0,
+        scale=0.125,
+        use_cascade=False,
+        num_splits=0,
+        num_heads=2,
+        num_kv_heads=1,
+        head_size=4,
+    )
 
 
 @pytest.fixture
@@ -53,8 +94,9 @@ def test_stored_source_reads(trace):
     assert Trace.open(trace).source(PAGED_ATTN) == "a = 1\n"
 
 
-@pytest.mark.parametrize("file", ["../secret.txt", "sources/../../secret.txt", "/etc/passwd", "secret.txt",
-                                  "sources//x", "sources/a\\..\\b"])
+@pytest.mark.parametrize(
+    "file", ["../secret.txt", "sources/../../secret.txt", "/etc/passwd", "secret.txt", "sources//x", "sources/a\\..\\b"]
+)
 def test_a_source_path_outside_sources_is_refused(trace, file):
     _set_source_file(trace, file)
     with pytest.raises(TraceError, match="not under sources/|not a plain path"):

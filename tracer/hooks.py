@@ -183,8 +183,13 @@ class Tracer:
     def _wrap_runner(self, method: str):
         """Return a wrapper factory for one model-runner method."""
         tracer = self
-        phase = {"execute_model": "request", "profile_run": "profile", "capture_model": "warmup",
-                 "_dummy_run": "warmup", "prepare_inputs": None}[method]
+        phase = {
+            "execute_model": "request",
+            "profile_run": "profile",
+            "capture_model": "warmup",
+            "_dummy_run": "warmup",
+            "prepare_inputs": None,
+        }[method]
         counts_step = method in ("execute_model", "_dummy_run")
 
         def make(original):
@@ -310,8 +315,11 @@ class Tracer:
         if _capturing():
             if self._gap_noted_step != self.step:
                 self._gap_noted_step = self.step
-                self._record_gap(self._kind(), "cuda-graph-capture: no copies allowed while capturing",
-                                 int(attn_metadata.num_actual_tokens))
+                self._record_gap(
+                    self._kind(),
+                    "cuda-graph-capture: no copies allowed while capturing",
+                    int(attn_metadata.num_actual_tokens),
+                )
             return
         md = attn_metadata
         n = int(md.num_actual_tokens)
@@ -372,8 +380,11 @@ class Tracer:
                     sched = args[0] if args else kwargs.get("scheduler_output")
                     num = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
                     if num > 0:
-                        self._record_gap(kind, "cuda-graph-replay: attention ran inside a CUDA graph, "
-                                         "Python forward() was not called", num)
+                        self._record_gap(
+                            kind,
+                            "cuda-graph-replay: attention ran inside a CUDA graph, Python forward() was not called",
+                            num,
+                        )
                 elif kind == "profile":
                     self._record_gap(kind, "profile run: vLLM skips attention", 0)
             self._flush()
@@ -405,8 +416,9 @@ class Tracer:
                 self.stats["tensor_files"] += 1
         except OSError as exc:
             self._write_failed = True
-            self._warn_once(f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; "
-                            "tracing stops, the engine runs on")
+            self._warn_once(
+                f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
+            )
 
     def _writer_or_new(self) -> TraceWriter:
         if self._writer is None:
@@ -434,8 +446,16 @@ class Tracer:
         try:
             writer = self._writer_or_new()
             sources = store_sources(writer, vllm_sources())
-            writer.write_manifest(build_run_info(self.options, self._vllm_config, sources,
-                                                 impl=first.impl, kv_cache=first.kv_cache, layer=first.layer))
+            writer.write_manifest(
+                build_run_info(
+                    self.options,
+                    self._vllm_config,
+                    sources,
+                    impl=first.impl,
+                    kv_cache=first.kv_cache,
+                    layer=first.layer,
+                )
+            )
             self._manifest_written = True
         except OSError as exc:
             self._write_failed = True
@@ -444,8 +464,10 @@ class Tracer:
     def _finish(self) -> None:
         if self._writer is not None:
             if self._manifest_written and self._writer.budget_exhausted:
-                logger.warning("pagedtrace: tensor budget of %d bytes used up; later steps have no tensors",
-                               self.options.budget_bytes)
+                logger.warning(
+                    "pagedtrace: tensor budget of %d bytes used up; later steps have no tensors",
+                    self.options.budget_bytes,
+                )
             self._writer.close()
             self._writer = None
 

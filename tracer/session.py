@@ -26,10 +26,16 @@ from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS
 
 #: Built-in presets: name -> (config file in ``pagedtrace.presets``, defaults).
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"config": "tiny.json", "max_model_len": 512,
-             "about": "Qwen2-shaped, 2 layers, 4 heads / 2 KV heads, D=64: seconds on a CPU"},
-    "qwen2.5-7b-instruct": {"config": "qwen2.5-7b-instruct.json", "max_model_len": 4096,
-                            "about": "Qwen2.5-7B-Instruct's shape (28 layers, 28/4 heads, D=128): the vLLM lesson's model"},
+    "tiny": {
+        "config": "tiny.json",
+        "max_model_len": 512,
+        "about": "Qwen2-shaped, 2 layers, 4 heads / 2 KV heads, D=64: seconds on a CPU",
+    },
+    "qwen2.5-7b-instruct": {
+        "config": "qwen2.5-7b-instruct.json",
+        "max_model_len": 4096,
+        "about": "Qwen2.5-7B-Instruct's shape (28 layers, 28/4 heads, D=128): the vLLM lesson's model",
+    },
 }
 
 #: Environment for a quiet, loopback-only engine (vLLM's own variables).
@@ -124,16 +130,19 @@ def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
 
         vocab = int(getattr(AutoConfig.from_pretrained(name).get_text_config(), "vocab_size", 32000))
     except Exception as exc:  # noqa: BLE001 - transformers raises several types for a bad id
-        raise ValueError(f"{name!r} is not a preset ({', '.join(PRESETS)}), a model directory, "
-                         f"or a model id the hub answers for: {str(exc).strip().splitlines()[0]}") from None
+        raise ValueError(
+            f"{name!r} is not a preset ({', '.join(PRESETS)}), a model directory, "
+            f"or a model id the hub answers for: {str(exc).strip().splitlines()[0]}"
+        ) from None
     return name, "auto", vocab, 0
 
 
 class _ProgressBar:
     """Just enough of tqdm for ``LLM.generate(use_tqdm=...)``, forwarding to a callback."""
 
-    def __init__(self, iterable: Any = None, *args: Any, total: int | None = None, desc: str = "",
-                 callback=None, **kwargs: Any):
+    def __init__(
+        self, iterable: Any = None, *args: Any, total: int | None = None, desc: str = "", callback=None, **kwargs: Any
+    ):
         self.iterable = iterable
         if total is None and iterable is not None and hasattr(iterable, "__len__"):
             total = len(iterable)
@@ -192,7 +201,8 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
         os.environ[ENV_MODEL_NAME] = cfg.model
         os.environ[ENV_WEIGHTS] = (
             "dummy + pagedtrace_random re-init (seeded normal; attention far from uniform)"
-            if load_format != "auto" else "checkpoint"
+            if load_format != "auto"
+            else "checkpoint"
         )
         prompts = make_prompts(cfg, vocab)
         from tracer.loader import register_loader
@@ -203,8 +213,13 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
 
             if trace_dir.exists() and any(trace_dir.iterdir()):
                 raise FileExistsError(f"{trace_dir} exists and is not empty: choose a new trace directory")
-            t = tracer.start(trace_dir, layers=parse_layers(cfg.layers), steps=cfg.steps,
-                             tensors=cfg.tensors, budget_mb=cfg.budget_mb)
+            t = tracer.start(
+                trace_dir,
+                layers=parse_layers(cfg.layers),
+                steps=cfg.steps,
+                tensors=cfg.tensors,
+                budget_mb=cfg.budget_mb,
+            )
         notify("phase", "engine", None)
         t0 = time.perf_counter()
         from vllm import LLM, SamplingParams
@@ -212,9 +227,14 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
 
         on_cpu = current_platform.device_type == "cpu"
         kwargs: dict[str, Any] = dict(
-            model=model_path, load_format=load_format, skip_tokenizer_init=True, seed=cfg.seed,
-            max_model_len=cfg.max_model_len or preset_len or 2048, dtype=cfg.dtype,
-            enforce_eager=cfg.enforce_eager, enable_prefix_caching=True,
+            model=model_path,
+            load_format=load_format,
+            skip_tokenizer_init=True,
+            seed=cfg.seed,
+            max_model_len=cfg.max_model_len or preset_len or 2048,
+            dtype=cfg.dtype,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=True,
         )
         block_size = cfg.block_size or (32 if on_cpu else None)
         if block_size:
@@ -223,14 +243,17 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.cudagraph_mode and not cfg.enforce_eager:
             # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs.
-            kwargs["compilation_config"] = {"cudagraph_mode": cfg.cudagraph_mode,
-                                            "cudagraph_capture_sizes": list(CAPTURE_SIZES)}
+            kwargs["compilation_config"] = {
+                "cudagraph_mode": cfg.cudagraph_mode,
+                "cudagraph_capture_sizes": list(CAPTURE_SIZES),
+            }
         try:
             llm = LLM(**kwargs)
         except Exception as exc:  # vLLM raises many types; the user needs the first line
             first = (str(exc).strip().splitlines() or [""])[0]
-            raise SessionError(f"vLLM could not start an engine for {cfg.model!r}: "
-                               f"{type(exc).__name__}: {first}") from exc
+            raise SessionError(
+                f"vLLM could not start an engine for {cfg.model!r}: {type(exc).__name__}: {first}"
+            ) from exc
         engine_s = time.perf_counter() - t0
         notify("phase", "generate", None)
         t1 = time.perf_counter()

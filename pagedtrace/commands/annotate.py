@@ -33,7 +33,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--step", type=int, default=None, help="step to show (default: the first request step)")
     parser.add_argument("--layer", default=None, help="attention layer (default: the first traced layer)")
     parser.add_argument(
-        "--context", type=int, default=None, metavar="N",
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
         help="show only N lines around each annotated line (default: the whole file)",
     )
     parser.set_defaults(func=run)
@@ -63,13 +66,19 @@ def build_header(annotated: AnnotatedSource) -> Group:
     """File, step, layer and file-level notes."""
     title = Text.assemble(
         (annotated.vllm_path, "bold"),
-        "  step ", (str(annotated.step) if annotated.step is not None else "-", "bold cyan"),
-        "  layer ", (annotated.layer or "-", "cyan"),
+        "  step ",
+        (str(annotated.step) if annotated.step is not None else "-", "bold cyan"),
+        "  layer ",
+        (annotated.layer or "-", "cyan"),
     )
     notes = [Text(f"  {note}", style="dim") for note in annotated.file_notes]
     legend = Text.assemble(
-        "  ", ("captured", KIND_STYLES["captured"]), " / ", ("computed", KIND_STYLES["computed"]),
-        " / ", ("explanation", KIND_STYLES["static"]),
+        "  ",
+        ("captured", KIND_STYLES["captured"]),
+        " / ",
+        ("computed", KIND_STYLES["computed"]),
+        " / ",
+        ("explanation", KIND_STYLES["static"]),
     )
     return Group(title, *notes, legend)
 

@@ -23,7 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("trace", help="trace directory")
     parser.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write the site into")
     parser.add_argument(
-        "--max-step-pages", type=int, default=MAX_REQUEST_PAGES, metavar="N",
+        "--max-step-pages",
+        type=int,
+        default=MAX_REQUEST_PAGES,
+        metavar="N",
         help=f"write a page for at most N request steps (default {MAX_REQUEST_PAGES}); the index lists them all",
     )
     parser.set_defaults(func=run)

@@ -38,26 +38,48 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from tracer.session import PRESETS
 
     presets = ", ".join(f"{k} ({v['about']})" for k, v in PRESETS.items())
-    p = sub.add_parser("run", help="run a traced offline vLLM session and summarise it",
-                       description=f"Run a vLLM session under the tracer. Presets: {presets}.")
+    p = sub.add_parser(
+        "run",
+        help="run a traced offline vLLM session and summarise it",
+        description=f"Run a vLLM session under the tracer. Presets: {presets}.",
+    )
     p.add_argument("-o", "--out", default="pagedtrace-trace", help="trace directory to create (default: %(default)s)")
     p.add_argument("--model", default="tiny", help="preset name, local model dir or HF id (default: %(default)s)")
     p.add_argument("--prompts", type=int, default=4, help="number of prompts (default: %(default)s)")
-    p.add_argument("--prompt-len", type=_range, default=(20, 90), metavar="LO:HI",
-                   help="suffix length range per prompt, tokens (default: 20:90)")
-    p.add_argument("--shared-prefix", type=int, default=64, metavar="N",
-                   help="tokens every prompt starts with, to show prefix caching (default: %(default)s)")
+    p.add_argument(
+        "--prompt-len",
+        type=_range,
+        default=(20, 90),
+        metavar="LO:HI",
+        help="suffix length range per prompt, tokens (default: 20:90)",
+    )
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=64,
+        metavar="N",
+        help="tokens every prompt starts with, to show prefix caching (default: %(default)s)",
+    )
     p.add_argument("--max-tokens", type=int, default=12, help="tokens to generate per prompt (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default: 32 on CPU, vLLM's on GPU)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--layers", default="first", help="'first', 'all' or indices/names, comma-separated")
-    p.add_argument("--steps", type=_steps, default=(None, None), metavar="START:STOP",
-                   help="record only these step indices (half-open)")
+    p.add_argument(
+        "--steps",
+        type=_steps,
+        default=(None, None),
+        metavar="START:STOP",
+        help="record only these step indices (half-open)",
+    )
     p.add_argument("--no-tensors", dest="tensors", action="store_false", help="record metadata only")
     p.add_argument("--budget-mb", type=float, default=256.0, help="tensor budget in MiB (default: %(default)s)")
-    p.add_argument("--cudagraph-mode", default=None, metavar="MODE",
-                   help="use CUDA graphs in this mode (e.g. PIECEWISE, FULL_AND_PIECEWISE); default: eager")
+    p.add_argument(
+        "--cudagraph-mode",
+        default=None,
+        metavar="MODE",
+        help="use CUDA graphs in this mode (e.g. PIECEWISE, FULL_AND_PIECEWISE); default: eager",
+    )
     p.add_argument("--multiprocess", action="store_true", help="run vLLM's engine core in its own process")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.set_defaults(func=run)
@@ -75,15 +97,33 @@ def run(args: argparse.Namespace, console: Console) -> int:
         if getattr(args, name) < (1 if name != "shared_prefix" else 0):
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     cfg = SessionConfig(
-        trace_dir=str(out), model=args.model, num_prompts=args.prompts, prompt_len=args.prompt_len,
-        shared_prefix=args.shared_prefix, max_tokens=args.max_tokens, seed=args.seed,
-        block_size=args.block_size, max_model_len=args.max_model_len,
-        enforce_eager=args.cudagraph_mode is None, cudagraph_mode=args.cudagraph_mode,
-        layers=args.layers, steps=args.steps, tensors=args.tensors, budget_mb=args.budget_mb,
-        multiprocess=args.multiprocess, gpu_memory_utilization=args.gpu_memory_utilization,
+        trace_dir=str(out),
+        model=args.model,
+        num_prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        shared_prefix=args.shared_prefix,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.cudagraph_mode is None,
+        cudagraph_mode=args.cudagraph_mode,
+        layers=args.layers,
+        steps=args.steps,
+        tensors=args.tensors,
+        budget_mb=args.budget_mb,
+        multiprocess=args.multiprocess,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=False) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
         tasks: dict[str, int] = {}
 
         def on_event(event: str, what: str, value) -> None:
@@ -104,7 +144,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     trace = Trace.open(out)
     console.print(build_summary_table(trace))
     console.print(build_kv_table(trace))
-    console.print(f"trace written to [bold]{out}[/]  (next: pagedtrace replay {out}; pagedtrace report {out} -o report)")
+    console.print(
+        f"trace written to [bold]{out}[/]  (next: pagedtrace replay {out}; pagedtrace report {out} -o report)"
+    )
     return 0
 
 
@@ -118,11 +160,39 @@ def build_summary_table(trace: Trace) -> Table:
         used = {b for row in r.block_table for b in row}
         seq = ",".join(map(str, r.seq_lens[:6])) + ("…" if len(r.seq_lens) > 6 else "")
         shared = r.shared_blocks
-        rows.append((r.step, [str(r.step), r.kind, short_layer(r.layer), str(r.num_reqs), str(r.num_actual_tokens), seq,
-                              str(len(used)), ",".join(map(str, sorted(shared))) or "-", "yes" if r.tensors else "-"]))
+        rows.append(
+            (
+                r.step,
+                [
+                    str(r.step),
+                    r.kind,
+                    short_layer(r.layer),
+                    str(r.num_reqs),
+                    str(r.num_actual_tokens),
+                    seq,
+                    str(len(used)),
+                    ",".join(map(str, sorted(shared))) or "-",
+                    "yes" if r.tensors else "-",
+                ],
+            )
+        )
     for g in trace.gaps:
-        rows.append((g.step, [str(g.step), g.kind, "[dim](not seen)[/]", "-", str(g.num_tokens or "-"),
-                              f"[dim]{g.reason}[/]", "-", "-", "-"]))
+        rows.append(
+            (
+                g.step,
+                [
+                    str(g.step),
+                    g.kind,
+                    "[dim](not seen)[/]",
+                    "-",
+                    str(g.num_tokens or "-"),
+                    f"[dim]{g.reason}[/]",
+                    "-",
+                    "-",
+                    "-",
+                ],
+            )
+        )
     for _, cells in sorted(rows, key=lambda x: x[0]):
         table.add_row(*cells)
     return table
@@ -136,12 +206,17 @@ def build_kv_table(trace: Trace) -> Table:
     table.add_column("value")
     table.add_row("vLLM / torch", f"{run.vllm_version} / {run.torch_version}")
     table.add_row("device", f"{run.device} ({run.device_name})")
-    table.add_row("attention", run.attention_backend + (f" (FA{run.flash_attn_version})" if run.flash_attn_version else ""))
+    table.add_row(
+        "attention", run.attention_backend + (f" (FA{run.flash_attn_version})" if run.flash_attn_version else "")
+    )
     table.add_row("cudagraph mode", run.cudagraph_mode)
     if run.model:
         m = run.model
-        table.add_row("model", f"{m.name}: {m.num_layers} layers, {m.num_attention_heads} heads / "
-                               f"{m.num_kv_heads} KV heads, D={m.head_size}, {m.dtype}; weights: {m.weights}")
+        table.add_row(
+            "model",
+            f"{m.name}: {m.num_layers} layers, {m.num_attention_heads} heads / "
+            f"{m.num_kv_heads} KV heads, D={m.head_size}, {m.dtype}; weights: {m.weights}",
+        )
     kv = run.kv_cache
     if kv:
         table.add_row("kv_cache shape", f"{kv.shape} {kv.dtype}, strides {kv.stride}")

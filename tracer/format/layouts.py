@@ -45,12 +45,12 @@ import dataclasses
 from collections.abc import Sequence
 
 __all__ = [
+    "LAYOUTS",
     "LAYOUT_CPU",
     "LAYOUT_CPU_AMX",
     "LAYOUT_FLASH_HND",
     "LAYOUT_FLASH_NHD",
     "LAYOUT_LEGACY",
-    "LAYOUTS",
     "REGISTRY",
     "STORED_LAYOUTS",
     "ComponentView",
@@ -88,31 +88,41 @@ REGISTRY: dict[str, Layout] = {
     layout.name: layout
     for layout in (
         Layout(
-            LAYOUT_FLASH_NHD, "FlashAttention, NHD", "FlashAttentionBackend",
+            LAYOUT_FLASH_NHD,
+            "FlashAttention, NHD",
+            "FlashAttentionBackend",
             "(blocks, tokens, heads, K|V)",
             "logical (num_blocks, H_kv, block_size, 2*D) with K in [..., :D] and V in [..., D:]; "
             "stride order (0, 2, 1, 3): a token's heads lie side by side",
         ),
         Layout(
-            LAYOUT_FLASH_HND, "FlashAttention, HND", "FlashAttentionBackend",
+            LAYOUT_FLASH_HND,
+            "FlashAttention, HND",
+            "FlashAttentionBackend",
             "(blocks, heads, tokens, K|V)",
             "logical (num_blocks, H_kv, block_size, 2*D) with K in [..., :D] and V in [..., D:]; "
             "stride order (0, 1, 2, 3): a head's tokens lie side by side",
         ),
         Layout(
-            LAYOUT_CPU, "CPU backend (vec ISA)", "CPUAttentionBackend",
+            LAYOUT_CPU,
+            "CPU backend (vec ISA)",
+            "CPUAttentionBackend",
             "(blocks, heads, [K^T (dim, tokens) | V (tokens, dim)])",
             "per (block, kv head) region of 2*block_size*D elements: K transposed [D][bs], then V [bs][D]",
         ),
         Layout(
-            LAYOUT_CPU_AMX, "CPU backend (AMX ISA)", "CPUAttentionBackend",
+            LAYOUT_CPU_AMX,
+            "CPU backend (AMX ISA)",
+            "CPUAttentionBackend",
             "(blocks, heads, [K (tokens/16, dim/2, 16 tokens, 2 dims) | V (dim/16, tokens/2, 16 dims, 2 tokens)])",
             "per (block, kv head) region: K as [bs/16][D/2][16][2] (token tile, dim pair, token, dim "
             "within pair), V as [D/16][bs/2][16][2] (dim tile, token pair, dim, token within pair), "
             "pairs side by side for the AMX tile loads",
         ),
         Layout(
-            LAYOUT_LEGACY, "PagedAttention x-split (ROCm)", "PagedAttention.split_kv_cache",
+            LAYOUT_LEGACY,
+            "PagedAttention x-split (ROCm)",
+            "PagedAttention.split_kv_cache",
             "key: (blocks, heads, dim/{x}, tokens, {x}); value: (blocks, heads, dim, tokens)",
             "key [num_blocks, H_kv, D/x, block_size, x] with x = 16 // element_size (16-byte vectors), "
             "value [num_blocks, H_kv, D, block_size]; only ROCm backends call split_kv_cache in vLLM 0.26",
@@ -155,8 +165,7 @@ def check_amx_shape(block_size: int, head_size: int) -> None:
     """The AMX packing tiles by 16: a ``ValueError`` for sizes it cannot hold."""
     if block_size % 16 or head_size % 16:
         raise ValueError(
-            f"the AMX layout tiles by 16: block_size {block_size} and head_size {head_size} "
-            "must be multiples of 16"
+            f"the AMX layout tiles by 16: block_size {block_size} and head_size {head_size} must be multiples of 16"
         )
 
 
@@ -181,7 +190,6 @@ def flash_strides(
     for physical_axis, logical_axis in enumerate(order):
         strides[logical_axis] = physical_strides[physical_axis]
     return tuple(strides)  # type: ignore[return-value]
-
 
 
 # --------------------------------------------------------------------------- description
@@ -276,12 +284,20 @@ def describe_layout(
         tensors = (StoredTensor("kv_cache", shape, _contiguous_strides(shape), nb * nh * bs * 2 * d),)
         region = 2 * bs * d
         k_view = ComponentView(
-            "k", "kv_cache", ("block", "head", "dim", "token"), (nb, nh, d, bs),
-            (nh * region, region, bs, 1), 0,
+            "k",
+            "kv_cache",
+            ("block", "head", "dim", "token"),
+            (nb, nh, d, bs),
+            (nh * region, region, bs, 1),
+            0,
         )
         v_view = ComponentView(
-            "v", "kv_cache", ("block", "head", "token", "dim"), (nb, nh, bs, d),
-            (nh * region, region, d, 1), bs * d,
+            "v",
+            "kv_cache",
+            ("block", "head", "token", "dim"),
+            (nb, nh, bs, d),
+            (nh * region, region, d, 1),
+            bs * d,
         )
         memory_order = REGISTRY[layout].memory_order
     elif layout == LAYOUT_CPU_AMX:
@@ -290,16 +306,20 @@ def describe_layout(
         tensors = (StoredTensor("kv_cache", shape, _contiguous_strides(shape), nb * nh * bs * 2 * d),)
         region = 2 * bs * d
         k_view = ComponentView(
-            "k", "kv_cache",
+            "k",
+            "kv_cache",
             ("block", "head", "token // 16", "dim // 2", "token % 16", "dim % 2"),
             (nb, nh, bs // 16, d // 2, 16, 2),
-            (nh * region, region, 16 * d, 32, 2, 1), 0,
+            (nh * region, region, 16 * d, 32, 2, 1),
+            0,
         )
         v_view = ComponentView(
-            "v", "kv_cache",
+            "v",
+            "kv_cache",
             ("block", "head", "dim // 16", "token // 2", "dim % 16", "token % 2"),
             (nb, nh, d // 16, bs // 2, 16, 2),
-            (nh * region, region, 16 * bs, 32, 2, 1), bs * d,
+            (nh * region, region, 16 * bs, 32, 2, 1),
+            bs * d,
         )
         memory_order = REGISTRY[layout].memory_order
     elif layout == LAYOUT_LEGACY:
@@ -315,12 +335,14 @@ def describe_layout(
             StoredTensor("value_cache", value_shape, value_strides, nb * nh * d * bs),
         )
         k_view = ComponentView(
-            "k", "key_cache", ("block", "head", "dim // x", "token", "dim % x"),
-            key_shape, key_strides, 0,
+            "k",
+            "key_cache",
+            ("block", "head", "dim // x", "token", "dim % x"),
+            key_shape,
+            key_strides,
+            0,
         )
-        v_view = ComponentView(
-            "v", "value_cache", ("block", "head", "dim", "token"), value_shape, value_strides, 0
-        )
+        v_view = ComponentView("v", "value_cache", ("block", "head", "dim", "token"), value_shape, value_strides, 0)
         memory_order = REGISTRY[layout].memory_order.format(x=x)
     else:
         raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")

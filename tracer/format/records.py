@@ -80,9 +80,7 @@ class _JsonRecord:
         missing = required - data.keys()
         unknown = data.keys() - names.keys()
         if missing or unknown:
-            raise TraceError(
-                f"{cls.__name__}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
-            )
+            raise TraceError(f"{cls.__name__}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
         kwargs = {}
         for name, value in data.items():
             allowed = _VOCABULARY.get((cls.__name__, name))
@@ -116,7 +114,9 @@ class KVCacheSpec(_JsonRecord):
     k_scale: float  #: ``layer._k_scale`` (1.0 unless fp8)
     v_scale: float
     backend_kv_cache_shape: tuple[int, ...]  #: ``Backend.get_kv_cache_shape(...)`` for these numbers
-    backend_stride_order: tuple[int, ...] | None  #: ``Backend.get_kv_cache_stride_order()``; None if the backend has none
+    backend_stride_order: (
+        tuple[int, ...] | None
+    )  #: ``Backend.get_kv_cache_stride_order()``; None if the backend has none
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,9 @@ class RunInfo(_JsonRecord):
     kv_cache: KVCacheSpec | None
     options: dict[str, Any]  #: tracer options (layers, steps, tensors, budget)
     created_at: str  #: ISO 8601, UTC
-    sources: dict[str, dict[str, str]] = field(default_factory=dict)  #: vLLM path (``vllm/...``) -> ``{"file": path under the trace, "sha256": hex}``
+    sources: dict[str, dict[str, str]] = field(
+        default_factory=dict
+    )  #: vLLM path (``vllm/...``) -> ``{"file": path under the trace, "sha256": hex}``
     extra: dict[str, Any] = field(default_factory=dict)  #: free-form notes (e.g. preset, prompts)
 
 
@@ -175,7 +177,9 @@ class StepRecord(_JsonRecord):
     num_actual_tokens: int  #: query tokens in this step, without padding
     query_start_loc: tuple[int, ...]  #: cumulative query lengths, ``num_reqs + 1`` entries
     seq_lens: tuple[int, ...]  #: per request: tokens in the KV cache after this step (context + query)
-    block_table: tuple[tuple[int, ...], ...]  #: per request: physical block ids, trimmed to ``ceil(seq_len / block_size)``
+    block_table: tuple[
+        tuple[int, ...], ...
+    ]  #: per request: physical block ids, trimmed to ``ceil(seq_len / block_size)``
     slot_mapping: tuple[int, ...]  #: per new token: ``block * block_size + offset`` (-1: padding, not written)
     max_query_len: int
     max_seq_len: int
@@ -188,8 +192,12 @@ class StepRecord(_JsonRecord):
     num_heads: int
     num_kv_heads: int
     head_size: int
-    alibi_slopes: tuple[float, ...] | None = field(default=None, metadata={SINCE: 2})  #: per query head, when the model uses ALiBi
-    sinks: tuple[float, ...] | None = field(default=None, metadata={SINCE: 2})  #: per query head attention-sink logits (e.g. gpt-oss), else None
+    alibi_slopes: tuple[float, ...] | None = field(
+        default=None, metadata={SINCE: 2}
+    )  #: per query head, when the model uses ALiBi
+    sinks: tuple[float, ...] | None = field(
+        default=None, metadata={SINCE: 2}
+    )  #: per query head attention-sink logits (e.g. gpt-oss), else None
     tensors: str | None = None  #: safetensors file under ``tensors/``, or None when not captured
     tensor_names: tuple[str, ...] = ()  #: tensors in that file
 
@@ -230,11 +238,13 @@ _NESTED: dict[tuple[str, str], type[_JsonRecord]] = {
     ("RunInfo", "model"): ModelSummary,
     ("RunInfo", "kv_cache"): KVCacheSpec,
 }
-_VOCABULARY.update({
-    ("StepRecord", "kind"): STEP_KINDS,
-    ("GapRecord", "kind"): STEP_KINDS,
-    ("KVCacheSpec", "layout"): LAYOUTS,
-})
+_VOCABULARY.update(
+    {
+        ("StepRecord", "kind"): STEP_KINDS,
+        ("GapRecord", "kind"): STEP_KINDS,
+        ("KVCacheSpec", "layout"): LAYOUTS,
+    }
+)
 #: Fields holding free-form JSON: keep lists as lists.
 _KEEP_AS_IS = {"options", "sources", "extra"}
 

@@ -167,11 +167,7 @@ class Trace:
 
     def steps(self, *, kind: str | None = None, layer: str | None = None) -> list[StepRecord]:
         """Records, optionally only of one kind (``request`` ...) and/or one layer."""
-        return [
-            r
-            for r in self.records
-            if (kind is None or r.kind == kind) and (layer is None or r.layer == layer)
-        ]
+        return [r for r in self.records if (kind is None or r.kind == kind) and (layer is None or r.layer == layer)]
 
     @property
     def layers(self) -> list[str]:
@@ -210,7 +206,7 @@ class Trace:
         prefix = SOURCES_DIR + "/"
         if not rel.startswith(prefix):
             raise TraceError(f"{self.path / MANIFEST}: source {rel!r} is not under {SOURCES_DIR}/")
-        file = self.member(SOURCES_DIR, rel[len(prefix):])
+        file = self.member(SOURCES_DIR, rel[len(prefix) :])
         if not file.is_file():
             return None
         data = file.read_bytes()

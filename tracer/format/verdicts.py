@@ -94,8 +94,11 @@ class Tolerance:
     def from_json(cls, data: Any) -> Tolerance:
         """Read :meth:`to_json`'s output; a malformed object is a ``TraceError``."""
         d = _object(data, "tolerance")
-        return cls(k=_float(d, "k", "tolerance"), eps=_float(d, "eps", "tolerance"),
-                   reference_dtype=_field(d, "reference_dtype", str, "tolerance"))
+        return cls(
+            k=_float(d, "k", "tolerance"),
+            eps=_float(d, "eps", "tolerance"),
+            reference_dtype=_field(d, "reference_dtype", str, "tolerance"),
+        )
 
 
 @dataclass(frozen=True)
@@ -109,15 +112,23 @@ class HeadResult:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (non-finite errors as null)."""
-        return {"head": self.head, "ok": self.ok, "max_abs": finite_or_none(self.max_abs),
-                "max_rel": finite_or_none(self.max_rel)}
+        return {
+            "head": self.head,
+            "ok": self.ok,
+            "max_abs": finite_or_none(self.max_abs),
+            "max_rel": finite_or_none(self.max_rel),
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> HeadResult:
         """Read :meth:`to_json`'s output."""
         d = _object(data, "head result")
-        return cls(head=_field(d, "head", int, "head result"), ok=_field(d, "ok", bool, "head result"),
-                   max_abs=_float(d, "max_abs", "head result"), max_rel=_float(d, "max_rel", "head result"))
+        return cls(
+            head=_field(d, "head", int, "head result"),
+            ok=_field(d, "ok", bool, "head result"),
+            max_abs=_float(d, "max_abs", "head result"),
+            max_rel=_float(d, "max_rel", "head result"),
+        )
 
 
 @dataclass(frozen=True)
@@ -137,20 +148,31 @@ class AttentionVerdict:
 
     def _base_json(self) -> dict[str, Any]:
         return {
-            "step": self.step, "layer": self.layer, "kind": self.kind, "ok": self.ok,
-            "max_abs": finite_or_none(self.max_abs), "max_rel": finite_or_none(self.max_rel),
-            "tol": finite_or_none(self.tol), "baseline_max_abs": finite_or_none(self.baseline_max_abs),
-            "num_tokens": self.num_tokens, "num_reqs": self.num_reqs,
+            "step": self.step,
+            "layer": self.layer,
+            "kind": self.kind,
+            "ok": self.ok,
+            "max_abs": finite_or_none(self.max_abs),
+            "max_rel": finite_or_none(self.max_rel),
+            "tol": finite_or_none(self.tol),
+            "baseline_max_abs": finite_or_none(self.baseline_max_abs),
+            "num_tokens": self.num_tokens,
+            "num_reqs": self.num_reqs,
         }
 
     @staticmethod
     def _base_fields(d: Mapping[str, Any], owner: str) -> dict[str, Any]:
         return {
-            "step": _field(d, "step", int, owner), "layer": _field(d, "layer", str, owner),
-            "kind": _field(d, "kind", str, owner), "num_reqs": _field(d, "num_reqs", int, owner),
-            "num_tokens": _field(d, "num_tokens", int, owner), "ok": _field(d, "ok", bool, owner),
-            "max_abs": _float(d, "max_abs", owner), "max_rel": _float(d, "max_rel", owner),
-            "tol": _float(d, "tol", owner), "baseline_max_abs": _float(d, "baseline_max_abs", owner),
+            "step": _field(d, "step", int, owner),
+            "layer": _field(d, "layer", str, owner),
+            "kind": _field(d, "kind", str, owner),
+            "num_reqs": _field(d, "num_reqs", int, owner),
+            "num_tokens": _field(d, "num_tokens", int, owner),
+            "ok": _field(d, "ok", bool, owner),
+            "max_abs": _float(d, "max_abs", owner),
+            "max_rel": _float(d, "max_rel", owner),
+            "tol": _float(d, "tol", owner),
+            "baseline_max_abs": _float(d, "baseline_max_abs", owner),
         }
 
 
@@ -174,9 +196,11 @@ class StepResult(AttentionVerdict):
     def from_json(cls, data: Any) -> StepResult:
         """Read :meth:`to_json`'s output."""
         d = _object(data, "step result")
-        return cls(**cls._base_fields(d, "step result"),
-                   heads=_list(d, "heads", "step result", HeadResult.from_json),
-                   note=_field(d, "note", str, "step result"))
+        return cls(
+            **cls._base_fields(d, "step result"),
+            heads=_list(d, "heads", "step result", HeadResult.from_json),
+            note=_field(d, "note", str, "step result"),
+        )
 
 
 @dataclass(frozen=True)
@@ -192,16 +216,27 @@ class WriteCheck:
 
     def to_json(self) -> dict[str, Any]:
         """One entry of ``replay.json``'s ``write_path``."""
-        return {"step": self.step, "layer": self.layer, "ok": self.ok, "tokens": self.tokens,
-                "mismatches": self.mismatches, "first_mismatch": self.first_mismatch}
+        return {
+            "step": self.step,
+            "layer": self.layer,
+            "ok": self.ok,
+            "tokens": self.tokens,
+            "mismatches": self.mismatches,
+            "first_mismatch": self.first_mismatch,
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> WriteCheck:
         """Read :meth:`to_json`'s output."""
         d, o = _object(data, "write check"), "write check"
-        return cls(step=_field(d, "step", int, o), layer=_field(d, "layer", str, o), ok=_field(d, "ok", bool, o),
-                   tokens=_field(d, "tokens", int, o), mismatches=_field(d, "mismatches", int, o),
-                   first_mismatch=_field(d, "first_mismatch", (int, type(None)), o))
+        return cls(
+            step=_field(d, "step", int, o),
+            layer=_field(d, "layer", str, o),
+            ok=_field(d, "ok", bool, o),
+            tokens=_field(d, "tokens", int, o),
+            mismatches=_field(d, "mismatches", int, o),
+            first_mismatch=_field(d, "first_mismatch", (int, type(None)), o),
+        )
 
 
 @dataclass(frozen=True)
@@ -216,15 +251,25 @@ class LegacyCheck:
 
     def to_json(self) -> dict[str, Any]:
         """One entry of ``replay.json``'s ``legacy``."""
-        return {"step": self.step, "layer": self.layer, "ok": self.ok,
-                "max_abs": finite_or_none(self.max_abs), "x": self.x}
+        return {
+            "step": self.step,
+            "layer": self.layer,
+            "ok": self.ok,
+            "max_abs": finite_or_none(self.max_abs),
+            "x": self.x,
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> LegacyCheck:
         """Read :meth:`to_json`'s output."""
         d, o = _object(data, "legacy check"), "legacy check"
-        return cls(step=_field(d, "step", int, o), layer=_field(d, "layer", str, o), ok=_field(d, "ok", bool, o),
-                   max_abs=_float(d, "max_abs", o), x=_field(d, "x", int, o))
+        return cls(
+            step=_field(d, "step", int, o),
+            layer=_field(d, "layer", str, o),
+            ok=_field(d, "ok", bool, o),
+            max_abs=_float(d, "max_abs", o),
+            x=_field(d, "x", int, o),
+        )
 
 
 #: What a version-1 ``replay.json`` says of its skipped records (it kept only their count).
@@ -298,13 +343,16 @@ class ReplayReport:
         else:
             skipped = _list(d, "skipped", o, lambda s: s if isinstance(s, str) else _bad_skip(s))
         return cls(
-            kernel=_field(d, "kernel", str, o), layout=_field(d, "layout", str, o),
+            kernel=_field(d, "kernel", str, o),
+            layout=_field(d, "layout", str, o),
             recorded_layout=_field(d, "recorded_layout", str, o),
             tolerance=Tolerance.from_json(d.get("tolerance")),
             steps=_list(d, "steps", o, StepResult.from_json),
             write_path=_list(d, "write_path", o, WriteCheck.from_json),
             legacy=_list(d, "legacy", o, LegacyCheck.from_json),
-            skipped=skipped, seconds=_float(d, "seconds", o), format_version=version,
+            skipped=skipped,
+            seconds=_float(d, "seconds", o),
+            format_version=version,
         )
 
 
@@ -340,24 +388,32 @@ class CaseResult(AttentionVerdict):
     def message(self) -> str:
         """A readable verdict: where, how far, what the tolerance was."""
         verdict = "matches" if self.ok else "does NOT match"
-        lines = [f"{self.kernel} {verdict} vLLM on {self.id} "
-                 f"(step {self.step}, layer {self.layer}, {self.kind}, {self.num_reqs} request(s), "
-                 f"{self.num_tokens} query token(s))"]
+        lines = [
+            f"{self.kernel} {verdict} vLLM on {self.id} "
+            f"(step {self.step}, layer {self.layer}, {self.kind}, {self.num_reqs} request(s), "
+            f"{self.num_tokens} query token(s))"
+        ]
         if math.isfinite(self.max_abs) or self.heads:
             cmp = "<=" if self.max_abs <= self.tol else ">"
-            lines.append(f"  max abs error {_num(self.max_abs)} {cmp} tolerance {_num(self.tol)} "
-                         f"(= {_num(self.tol_k)} x {_num(self.baseline_max_abs)}, the naive low-precision "
-                         f"error, + {_num(self.tol_eps)}); max rel {_num(self.max_rel)}")
+            lines.append(
+                f"  max abs error {_num(self.max_abs)} {cmp} tolerance {_num(self.tol)} "
+                f"(= {_num(self.tol_k)} x {_num(self.baseline_max_abs)}, the naive low-precision "
+                f"error, + {_num(self.tol_eps)}); max rel {_num(self.max_rel)}"
+            )
         if self.nonfinite:
             lines.append(f"  {self.nonfinite} NaN/inf value(s) in the output")
         if self.worst is not None and self.heads:
             token, head, dim, request = self.worst
             bad = self.bad_heads
-            lines.append(f"  worst: head {head} (max abs {_num(self.heads[head])}), token {token} "
-                         f"(request {request}), dim {dim}; {len(bad)}/{len(self.heads)} head(s) outside "
-                         "tolerance" + (f": {_head_list(bad)}" if bad else ""))
-            lines.append(f"  vs vLLM's captured output: max abs {_num(self.vllm_max_abs)} "
-                         f"(vLLM itself is {_num(self.vllm_ref_max_abs)} from the fp64 reference)")
+            lines.append(
+                f"  worst: head {head} (max abs {_num(self.heads[head])}), token {token} "
+                f"(request {request}), dim {dim}; {len(bad)}/{len(self.heads)} head(s) outside "
+                "tolerance" + (f": {_head_list(bad)}" if bad else "")
+            )
+            lines.append(
+                f"  vs vLLM's captured output: max abs {_num(self.vllm_max_abs)} "
+                f"(vLLM itself is {_num(self.vllm_ref_max_abs)} from the fp64 reference)"
+            )
         if self.note:
             lines.append(f"  note: {self.note}")
         return "\n".join(lines)
@@ -368,11 +424,18 @@ class CaseResult(AttentionVerdict):
         """JSON-ready dict (non-finite errors as null)."""
         f = finite_or_none
         return {
-            "id": self.id, "kernel": self.kernel, **self._base_json(),
-            "vllm_max_abs": f(self.vllm_max_abs), "vllm_ref_max_abs": f(self.vllm_ref_max_abs),
-            "heads": [f(h) for h in self.heads], "bad_heads": list(self.bad_heads),
+            "id": self.id,
+            "kernel": self.kernel,
+            **self._base_json(),
+            "vllm_max_abs": f(self.vllm_max_abs),
+            "vllm_ref_max_abs": f(self.vllm_ref_max_abs),
+            "heads": [f(h) for h in self.heads],
+            "bad_heads": list(self.bad_heads),
             "worst": None if self.worst is None else dict(zip(("token", "head", "dim", "request"), self.worst)),
-            "nonfinite": self.nonfinite, "tol_k": self.tol_k, "tol_eps": self.tol_eps, "note": self.note,
+            "nonfinite": self.nonfinite,
+            "tol_k": self.tol_k,
+            "tol_eps": self.tol_eps,
+            "note": self.note,
         }
 
     @classmethod
@@ -381,11 +444,18 @@ class CaseResult(AttentionVerdict):
         d, o = _object(data, "case result"), "case result"
         worst = _field(d, "worst", (dict, type(None)), o)
         return cls(
-            **cls._base_fields(d, o), id=_field(d, "id", str, o), kernel=_field(d, "kernel", str, o),
-            vllm_max_abs=_float(d, "vllm_max_abs", o), vllm_ref_max_abs=_float(d, "vllm_ref_max_abs", o),
+            **cls._base_fields(d, o),
+            id=_field(d, "id", str, o),
+            kernel=_field(d, "kernel", str, o),
+            vllm_max_abs=_float(d, "vllm_max_abs", o),
+            vllm_ref_max_abs=_float(d, "vllm_ref_max_abs", o),
             heads=_list(d, "heads", o, lambda h: math.nan if h is None else float(h)),
-            worst=None if worst is None else tuple(_field(worst, k, int, o) for k in ("token", "head", "dim", "request")),
-            nonfinite=_field(d, "nonfinite", int, o), tol_k=_float(d, "tol_k", o), tol_eps=_float(d, "tol_eps", o),
+            worst=None
+            if worst is None
+            else tuple(_field(worst, k, int, o) for k in ("token", "head", "dim", "request")),
+            nonfinite=_field(d, "nonfinite", int, o),
+            tol_k=_float(d, "tol_k", o),
+            tol_eps=_float(d, "tol_eps", o),
             note=_field(d, "note", str, o),
         )
 
