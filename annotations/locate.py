@@ -8,8 +8,8 @@ Two small visitors, each filling one public mapping, composed by ``locate``:
 Both read ``PositionProvider`` and ``QualifiedNameProvider`` through one
 ``MetadataWrapper`` and run in one batched pass over the tree. Only the top-level
 definitions that hold anchors are given to libcst (the rest is blanked, line for
-line, by ``keep_definitions``), which halves the time on vLLM's larger files. An anchor that cannot be found (renamed function, edited
-expression, unparsable file) comes back as a ``Location`` with ``line=None``
+line, by ``keep_definitions``), which halves the time on vLLM's larger files. An anchor that
+cannot be found (renamed function, edited expression, unparsable file) comes back as a ``Location`` with ``line=None``
 and a reason; nothing here raises on a source it does not recognise.
 """
 
@@ -250,7 +250,7 @@ def keep_definitions(source_text: str, names: set[str]) -> str:
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
             for i in range(start - 1, node.end_lineno or start):
                 keep[i] = True
-    return "\n".join(line if kept else "" for line, kept in zip(lines, keep))
+    return "\n".join(line if kept else "" for line, kept in zip(lines, keep, strict=False))
 
 
 def _locate(source_text: str, vllm_path: str, anchors: tuple[Anchor, ...]) -> LocatedSource:

@@ -54,13 +54,13 @@ __all__ = [
 
 def token_positions(record: StepRecord) -> list[list[int]]:
     """Per request: the positions of this step's query tokens (context ... seq_len - 1)."""
-    return [list(range(s - q, s)) for s, q in zip(record.seq_lens, record.query_lens)]
+    return [list(range(s - q, s)) for s, q in zip(record.seq_lens, record.query_lens, strict=False)]
 
 
 def computed_slots(record: StepRecord, block_size: int) -> list[list[int]]:
     """Per request: ``block_table[req, pos // bs] * bs + pos % bs`` for this step's tokens."""
     out = []
-    for row, positions in zip(record.block_table, token_positions(record)):
+    for row, positions in zip(record.block_table, token_positions(record), strict=False):
         slots = []
         for pos in positions:
             index = pos // block_size
@@ -217,7 +217,8 @@ def _use_cascade(rec: StepRecord, run) -> Value:
 def _fa_call(rec: StepRecord, run: RunInfo) -> Value:
     version = f"FA{run.flash_attn_version}" if run.flash_attn_version else "no FlashAttention in this run"
     return Value(
-        f"{version}: q[:{rec.num_actual_tokens}] ({rec.num_heads} heads, {rec.num_kv_heads} KV heads, D={rec.head_size}), "
+        f"{version}: q[:{rec.num_actual_tokens}] ({rec.num_heads} heads, {rec.num_kv_heads} KV heads, "
+        f"D={rec.head_size}), "
         f"softmax_scale={rec.scale:.6g}, softcap={rec.logits_soft_cap:g}, num_splits={rec.num_splits}"
     )
 
@@ -311,7 +312,7 @@ def _slot_block_indices(rec: StepRecord, bs: int) -> Value:
 @_with_bs
 def _slot_block_numbers(rec: StepRecord, bs: int) -> Value:
     lists = []
-    for row, positions in zip(rec.block_table, token_positions(rec)):
+    for row, positions in zip(rec.block_table, token_positions(rec), strict=False):
         lists.append([row[p // bs] if p // bs < len(row) else "?" for p in positions])
     return Value(f"block_table[req, pos // {bs}]: {_per_request(lists)}", "computed")
 
@@ -330,7 +331,9 @@ def _slot_ids(rec: StepRecord, bs: int) -> Value:
     if flat == captured:
         check = "matches the captured slot_mapping"
     else:
-        first = next((i for i, (a, b) in enumerate(zip(flat, captured)) if a != b), min(len(flat), len(captured)))
+        first = next(
+            (i for i, (a, b) in enumerate(zip(flat, captured, strict=False)) if a != b), min(len(flat), len(captured))
+        )
         check = f"differs from the captured slot_mapping at token {first}"
     return Value(f"slot = block * {bs} + offset: {_per_request(per_req)} ({check})", "computed")
 

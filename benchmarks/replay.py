@@ -143,7 +143,7 @@ def read_floor(steps, key_cache, value_cache, chunk_blocks: int = 32) -> float:
             [step.block_table[b, : -(-seq_len // block_size)] for b, seq_len in enumerate(step.seq_lens.tolist())]
         ).long()
         chunks.extend(ids.split(chunk_blocks))
-    buffer = torch.empty((chunk_blocks,) + key_cache.shape[1:], dtype=key_cache.dtype)
+    buffer = torch.empty((chunk_blocks, *key_cache.shape[1:]), dtype=key_cache.dtype)
     start = time.perf_counter()
     for ids in chunks:
         torch.index_select(key_cache, 0, ids, out=buffer[: len(ids)])

@@ -100,8 +100,8 @@ def _attend_decode(
             blocks.extend(table[b][lo:hi])
     chunk_ids = torch.tensor(blocks, dtype=torch.long).split([c[1] for c in chunks])
     width = max(c[1] for c in chunks)
-    raw = torch.empty((width,) + key_cache.shape[1:], dtype=key_cache.dtype)
-    converted = torch.empty((width,) + key_cache.shape[1:], dtype=compute_dtype)
+    raw = torch.empty((width, *key_cache.shape[1:]), dtype=key_cache.dtype)
+    converted = torch.empty((width, *key_cache.shape[1:]), dtype=compute_dtype)
     views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
 
     def read(
@@ -120,7 +120,7 @@ def _attend_decode(
     rows = torch.tensor([row for _, row, _ in decode])
     q = query[rows].to(compute_dtype).view(len(decode), num_kv_heads, group, head_size).unbind()
     logits: list[list[torch.Tensor]] = [[] for _ in decode]
-    for (i, m, skip, n), ids in zip(chunks, chunk_ids):
+    for (i, m, skip, n), ids in zip(chunks, chunk_ids, strict=False):
         k_t, _ = read(key_cache, ids, k_scale, m, skip, n)
         logits[i].append(torch.bmm(q[i], k_t))  # "hgd,nhd->hgn"
 
@@ -142,7 +142,7 @@ def _attend_decode(
     acc = torch.zeros(len(decode), num_kv_heads, group, head_size, dtype=compute_dtype)
     acc_rows = acc.unbind()
     probs_in_order = [p for parts in probs for p in parts]  # chunks are in row order
-    for (i, m, skip, n), ids, p in zip(chunks, chunk_ids, probs_in_order):
+    for (i, m, skip, n), ids, p in zip(chunks, chunk_ids, probs_in_order, strict=False):
         _, v = read(value_cache, ids, v_scale, m, skip, n)
         acc_rows[i].baddbmm_(p, v)  # "hgn,nhd->hgd"
     l = torch.stack(l_rows)  # [r, h, g, 1]

@@ -253,7 +253,7 @@ def paged_attention_partitioned(
     out = torch.zeros(num_tokens, num_heads, head_size, dtype=compute_dtype)
 
     for b, (seq_len, q_start, q_end) in enumerate(
-        zip(seq_lens.tolist(), query_start_loc[:-1].tolist(), query_start_loc[1:].tolist())
+        zip(seq_lens.tolist(), query_start_loc[:-1].tolist(), query_start_loc[1:].tolist(), strict=False)
     ):
         q_len = q_end - q_start
         if q_len == 0 or seq_len == 0:

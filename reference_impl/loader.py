@@ -37,7 +37,7 @@ def load_kernel(spec: str) -> Callable[..., Any]:
         except ModuleNotFoundError as exc:
             where = "" if exc.name != module_name.split(".")[0] else " (is it on PYTHONPATH?)"
             raise ValueError(f"kernel {spec!r}: cannot import {module_name!r}: {exc}{where}") from None
-        except Exception as exc:  # the module's own code failed
+        except Exception as exc:  # noqa: BLE001 - the module's own code failed: name it
             raise ValueError(
                 f"kernel {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
             ) from None
@@ -63,7 +63,7 @@ def _import_file(path: Path, spec: str) -> Any:
     sys.modules[name] = module  # dataclasses and pickling look modules up by name
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the file's own code failed: name it
         del sys.modules[name]
         raise ValueError(f"kernel {spec!r}: importing {str(path)!r} failed: {type(exc).__name__}: {exc}") from None
     return module

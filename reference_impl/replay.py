@@ -120,7 +120,7 @@ def replay_record(
             max_abs=err,
             max_rel=err / float(s) if float(s) > 0 else (0.0 if err == 0 else math.inf),
         )
-        for h, (err, s) in enumerate(zip(verdict["per_head_max_abs"], ref_scale.tolist()))
+        for h, (err, s) in enumerate(zip(verdict["per_head_max_abs"], ref_scale.tolist(), strict=False))
     )
     result = StepResult(
         step=record.step,

@@ -84,7 +84,7 @@ def _layout_score(tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec, layout
     k_rows = _row_set(key_cache.reshape(-1, *key_cache.shape[2:]))
     v_rows = _row_set(value_cache.reshape(-1, *value_cache.shape[2:]))
     k_bits, v_bits = bits(key.reshape(key.shape[0], -1)).numpy(), bits(value.reshape(value.shape[0], -1)).numpy()
-    hits = sum(k.tobytes() in k_rows and v.tobytes() in v_rows for k, v in zip(k_bits, v_bits))
+    hits = sum(k.tobytes() in k_rows and v.tobytes() in v_rows for k, v in zip(k_bits, v_bits, strict=False))
     return hits / key.shape[0]
 
 

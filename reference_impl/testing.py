@@ -512,7 +512,7 @@ def check_trace(
         case = load_case(trace, record, layout=layout)
         try:
             result = check_kernel(fn, case, device=device, name=name)
-        except Exception as exc:  # the user's kernel: any failure is that case's verdict
+        except Exception as exc:  # noqa: BLE001 - the user's kernel: any failure is that case's verdict
             result = _failed(case, name, f"the kernel raised {type(exc).__name__}: {exc}")
         results.append(result)
         if progress is not None:

@@ -199,13 +199,15 @@ def tour_page(
                 "(num_blocks, block_size, num_kv_heads, head_size) with transpose(1, 2).split(head_size, -1).",
                 layout_text,
             ),
-            (Link(f"{INDEX_PAGE}#layout", "the drawn layout"),)
-            + links(
-                (FLASH_ATTN, "flash_attn.get_kv_cache_shape", "FlashAttentionBackend.get_kv_cache_shape"),
-                (FLASH_ATTN, "flash_attn.get_kv_cache_stride_order", "get_kv_cache_stride_order"),
-                (FLASH_ATTN, "flash_attn.forward.split", "forward: transpose(1, 2).split(...)"),
-                (CPU_ATTN, "cpu_attn.forward.view", "CPU: view(nb, H, 2*bs, D)"),
-                (CPU_ATTN, "cpu_attn.forward.chunk", "CPU: chunk(2, dim=2)"),
+            (
+                Link(f"{INDEX_PAGE}#layout", "the drawn layout"),
+                *links(
+                    (FLASH_ATTN, "flash_attn.get_kv_cache_shape", "FlashAttentionBackend.get_kv_cache_shape"),
+                    (FLASH_ATTN, "flash_attn.get_kv_cache_stride_order", "get_kv_cache_stride_order"),
+                    (FLASH_ATTN, "flash_attn.forward.split", "forward: transpose(1, 2).split(...)"),
+                    (CPU_ATTN, "cpu_attn.forward.view", "CPU: view(nb, H, 2*bs, D)"),
+                    (CPU_ATTN, "cpu_attn.forward.chunk", "CPU: chunk(2, dim=2)"),
+                ),
             ),
         ),
         TourStop(

@@ -390,7 +390,7 @@ def test_tensor_view_matches_torch():
         if expected is None or got is None:
             assert expected == got, (shape, new)
         else:  # strides of size-1 dims are arbitrary
-            assert all(a == b or n == 1 for a, b, n in zip(expected, got, new)), (shape, new)
+            assert all(a == b or n == 1 for a, b, n in zip(expected, got, new, strict=False)), (shape, new)
 
 
 # --- annotate -------------------------------------------------------------------------
@@ -431,7 +431,7 @@ def test_annotate_flags_a_source_that_differs_from_the_stored_one(small_trace):
 
 def test_annotate_unknown_steps_and_layers(small_trace):
     text = "x = 1\n"
-    with pytest.raises(StepNotFound, match="not recorded .*cuda-graph-replay"):
+    with pytest.raises(StepNotFound, match=r"not recorded .*cuda-graph-replay"):
         annotate(text, PAGED_ATTN, small_trace, step=1)
     with pytest.raises(StepNotFound, match="recorded steps: 0, 2"):
         annotate(text, PAGED_ATTN, small_trace, step=7)

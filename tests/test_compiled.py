@@ -36,7 +36,7 @@ def _batch(seed: int, q_lens: list[int], seq_lens: list[int]):
         n = math.ceil(s / BS)
         table[b, :n] = perm[used : used + n]
         used += n
-    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    qsl = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     query = torch.randn(int(qsl[-1]) + 3, H, D, generator=gen).bfloat16()  # 3 padding rows
     return query, key_cache, value_cache, table, torch.tensor(seq_lens, dtype=torch.int32), qsl
 

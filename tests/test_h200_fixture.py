@@ -41,7 +41,7 @@ def test_flash_attention_3_layout_on_h200(gpu_trace):
 def test_slots_follow_the_block_table(gpu_trace):
     for rec in gpu_trace.steps(kind="request"):
         bs = gpu_trace.run.kv_cache.block_size
-        for row, (a, b) in enumerate(zip(rec.query_start_loc, rec.query_start_loc[1:])):
+        for row, (a, b) in enumerate(zip(rec.query_start_loc, rec.query_start_loc[1:], strict=False)):
             for i in range(b - a):
                 pos = rec.seq_lens[row] - (b - a) + i
                 assert rec.slot_mapping[a + i] == rec.block_table[row][pos // bs] * bs + pos % bs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
 
 import pytest
@@ -105,7 +106,7 @@ def test_one_sequence_chunk_edges(q_len, window, causal):
 
 def test_fast_lse_is_the_log_denominator():
     batch = make_batch([20, 7], [3, 7], block_size=4, sinks=True, alibi=True)
-    out, lse = F.paged_attention_fast(*batch.args, **batch.kwargs, return_lse=True)
+    _out, lse = F.paged_attention_fast(*batch.args, **batch.kwargs, return_lse=True)
     q0, q1 = int(batch.query_start_loc[1]), int(batch.query_start_loc[2])
     k, _ = batch.logical_kv(1)
     # Rebuild the logits of sequence 1 (prefill, causal, no window) by hand.
@@ -200,7 +201,7 @@ def test_combine_partitions_equals_unsplit(seq_len, q_len, cuts, seed):
     full = K.dense_attention(q, k, v, scale=0.3)
     edges = sorted({0, seq_len, *[c % (seq_len + 1) for c in cuts]})
     outs, lses = [], []
-    for lo, hi in zip(edges[:-1], edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         # Keys [lo, hi) seen from the queries' real positions: pad with hidden keys.
         logits = torch.einsum("thd,nhd->htn", q, k.repeat_interleave(2, dim=1)) * 0.3
         pos = torch.arange(seq_len - q_len, seq_len)[:, None]
@@ -236,7 +237,7 @@ def test_cascade_prefix_plus_suffix_equals_full():
     for b in range(3):
         batch.used_blocks[b][:prefix_blocks] = shared.tolist()
     prefix_len = prefix_blocks * block_size
-    assert all(s - q >= prefix_len for s, q in zip(seq_lens, q_lens))  # no query inside the prefix
+    assert all(s - q >= prefix_len for s, q in zip(seq_lens, q_lens, strict=False))  # no query inside the prefix
     opts = dict(batch.kwargs)
     prefix_out, prefix_lse = F.paged_attention_fast(
         batch.query,

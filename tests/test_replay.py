@@ -87,7 +87,7 @@ def test_untouched_trace_is_exactly_attention(trace, report):
 def test_write_path_is_bit_exact(trace, report):
     replayed = [r for r in trace.records if r.tensors]
     assert len(report.write_path) == len(replayed)
-    for check, record in zip(report.write_path, replayed):
+    for check, record in zip(report.write_path, replayed, strict=False):
         assert (check.step, check.ok, check.mismatches) == (record.step, True, 0)
         assert check.tokens == sum(s >= 0 for s in record.slot_mapping)
 
@@ -173,7 +173,7 @@ def _swap_first_private_block(record: StepRecord) -> StepRecord:
     while all(len(row) > shared and row[shared] == row0[shared] for row in record.block_table):
         shared += 1
     other = next(row[shared] for row in record.block_table[1:] if row[shared] not in row0)
-    row0 = row0[:shared] + (other,) + row0[shared + 1 :]
+    row0 = (*row0[:shared], other, *row0[shared + 1 :])
     return dataclasses.replace(record, block_table=(row0, *record.block_table[1:]))
 
 

@@ -251,7 +251,7 @@ def test_step_pages_cap_keeps_request_steps_and_a_few_others():
 
 
 def test_index_says_when_steps_have_no_page(trace_dir, tmp_path):
-    code, out = run_cli(["report", str(trace_dir), "-o", str(tmp_path / "site"), "--max-step-pages", "1"])
+    code, _out = run_cli(["report", str(trace_dir), "-o", str(tmp_path / "site"), "--max-step-pages", "1"])
     assert code == 0
     assert sorted(p.name for p in (tmp_path / "site").glob("step-*.html")) == ["step-000000.html", "step-000002.html"]
     assert "2 of 5 recorded steps have a page" in (tmp_path / "site" / "index.html").read_text()

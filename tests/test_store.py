@@ -99,7 +99,7 @@ def test_corrupt_tensor_file_is_a_clear_error(trace_dir):
 def test_not_a_trace(tmp_path):
     with pytest.raises(TraceError, match="not a trace directory"):
         Trace.open(tmp_path / "nope")
-    with pytest.raises(TraceError, match="no manifest.json"):
+    with pytest.raises(TraceError, match=r"no manifest\.json"):
         Trace.open(tmp_path)
 
 

@@ -325,7 +325,7 @@ def test_load_kernel_bad_specs(spec, match):
 
 def test_load_kernel_module_that_fails_to_import(tmp_path):
     (tmp_path / "broken_kernel.py").write_text("import torch\nraise RuntimeError('needs a GPU')\n")
-    with pytest.raises(ValueError, match="importing .* failed: RuntimeError: needs a GPU"):
+    with pytest.raises(ValueError, match=r"importing .* failed: RuntimeError: needs a GPU"):
         load_kernel(f"{tmp_path / 'broken_kernel.py'}:attn")
     sys.path.insert(0, str(tmp_path))
     try:

@@ -99,7 +99,7 @@ def test_stored_source_reads(trace):
 )
 def test_a_source_path_outside_sources_is_refused(trace, file):
     _set_source_file(trace, file)
-    with pytest.raises(TraceError, match="not under sources/|not a plain path"):
+    with pytest.raises(TraceError, match=r"not under sources/|not a plain path"):
         Trace.open(trace).source(PAGED_ATTN)
 
 

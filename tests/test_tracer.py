@@ -50,7 +50,7 @@ def test_every_new_token_lands_in_its_block_slot(trace):
     bs = trace.run.kv_cache.block_size
     checked = 0
     for rec in requests:
-        for row, (start, stop) in enumerate(zip(rec.query_start_loc, rec.query_start_loc[1:])):
+        for row, (start, stop) in enumerate(zip(rec.query_start_loc, rec.query_start_loc[1:], strict=False)):
             seq_len = rec.seq_lens[row]
             assert len(rec.block_table[row]) == math.ceil(seq_len / bs)
             for i in range(stop - start):
@@ -73,10 +73,10 @@ def test_query_start_loc_and_seq_lens_follow_the_prompts(trace, cpu_session):
     assert q[0] == len(prompts[_prompt_index(first.request_ids[0])])
     assert all(q[r] == first.seq_lens[r] - 64 for r in range(1, first.num_reqs))
     # Decode: one new token per request per step, seq_len grows by one.
-    prev = dict(zip(first.request_ids, first.seq_lens))
+    prev = dict(zip(first.request_ids, first.seq_lens, strict=False))
     for rec in decodes:
         assert rec.query_lens == (1,) * rec.num_reqs
-        for rid, s in zip(rec.request_ids, rec.seq_lens):
+        for rid, s in zip(rec.request_ids, rec.seq_lens, strict=False):
             assert s == prev[rid] + 1
             prev[rid] = s
     assert rec.max_seq_len == max(rec.seq_lens) and rec.max_query_len == 1
@@ -140,7 +140,7 @@ def test_unwritable_trace_dir_warns_and_the_engine_runs_on(cpu_session, tmp_path
 def test_plugin_traces_the_engine_core_process(tmp_path):
     """Multiprocess mode: the worker is another process; the entry point installs the tracer there."""
     out = tmp_path / "mp"
-    proc = run_engine(
+    run_engine(
         [
             "-m",
             "pagedtrace",
@@ -210,7 +210,7 @@ def test_vllm_serve_is_traced_through_the_plugin(tmp_path):
         str(port),
     ]
     env = engine_env(PAGEDTRACE_DIR=str(out), VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    log = open(tmp_path / "serve.log", "w")
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the server writes to it until the test ends
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300

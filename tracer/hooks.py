@@ -19,6 +19,7 @@ Patched (when importable):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -144,10 +145,8 @@ class Tracer:
 
     def _atexit(self) -> None:
         # Worker processes end without calling stop(): keep what was recorded.
-        try:
+        with contextlib.suppress(Exception):  # never fail interpreter shutdown
             self.stop()
-        except Exception:  # noqa: BLE001 - never fail interpreter shutdown
-            pass
 
     def _install(self) -> None:
         for module_name, cls_name in BACKEND_TARGETS:

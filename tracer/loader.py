@@ -38,7 +38,7 @@ def reinit_weights(model, seed: int = SEED) -> None:
             if gen is None:
                 gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
 
-            def randn():
+            def randn(param=param, gen=gen):
                 return torch.randn(param.shape, generator=gen, device=param.device, dtype=torch.float32)
 
             if param.dim() == 1:

@@ -7,6 +7,7 @@ lazily, inside the functions, so importing this module needs neither.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -164,10 +165,8 @@ def kv_cache_spec(impl: Any, kv_cache: Any, layer: str, cfg: Any) -> KVCacheSpec
     stride_order = None
     backend_cls = _backend_class(impl)
     if backend_cls is not None:
-        try:
+        with contextlib.suppress(Exception):  # a backend without it: the manifest says ()
             backend_shape = tuple(backend_cls.get_kv_cache_shape(nb, bs, h, d2 // 2, impl.kv_cache_dtype))
-        except Exception:  # noqa: BLE001
-            pass
         try:
             stride_order = tuple(backend_cls.get_kv_cache_stride_order())
         except Exception:  # noqa: BLE001 - CPU backend has none

@@ -36,7 +36,9 @@ class Pending:
         seq_lens = [int(s) for s in host["seq_lens"].tolist()]
         block_size = int(self.kv_cache.shape[2])
         rows = host["block_table"].tolist()
-        block_table = tuple(tuple(int(b) for b in row[: math.ceil(s / block_size)]) for row, s in zip(rows, seq_lens))
+        block_table = tuple(
+            tuple(int(b) for b in row[: math.ceil(s / block_size)]) for row, s in zip(rows, seq_lens, strict=False)
+        )
         rec = StepRecord(
             alibi_slopes=_floats(getattr(self.impl, "alibi_slopes", None)),
             sinks=_floats(getattr(self.impl, "sinks", None)),

@@ -407,7 +407,7 @@ def element_offset(
             f"head_size {head_size}, num_kv_heads {num_kv_heads}"
         )
     index = [named[name] for name in view.dims]
-    for i, size in zip(index, view.shape):
+    for i, size in zip(index, view.shape, strict=False):
         if not 0 <= i < size:
-            raise IndexError(f"index {dict(zip(view.dims, index))} outside {view.shape}")
-    return view.storage_offset + sum(i * s for i, s in zip(index, view.strides))
+            raise IndexError(f"index {dict(zip(view.dims, index, strict=False))} outside {view.shape}")
+    return view.storage_offset + sum(i * s for i, s in zip(index, view.strides, strict=False))

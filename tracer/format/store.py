@@ -63,7 +63,7 @@ class TraceWriter:
         self.budget_exhausted = False
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / TENSORS_DIR).mkdir(exist_ok=True)
-        self._steps = open(self.path / STEPS, "a", encoding="utf-8")
+        self._steps = open(self.path / STEPS, "a", encoding="utf-8")  # noqa: SIM115 - open until close()
 
     def write_manifest(self, run: RunInfo) -> None:
         """Write (or rewrite) ``manifest.json`` atomically."""
@@ -188,7 +188,7 @@ class Trace:
             from safetensors.torch import load_file
 
             loaded = load_file(str(file))
-        except Exception as exc:  # safetensors raises its own error types
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
             raise TraceError(f"{file}: cannot read tensors: {exc}") from None
         missing = set(record.tensor_names) - loaded.keys()
         if missing:

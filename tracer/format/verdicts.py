@@ -431,7 +431,9 @@ class CaseResult(AttentionVerdict):
             "vllm_ref_max_abs": f(self.vllm_ref_max_abs),
             "heads": [f(h) for h in self.heads],
             "bad_heads": list(self.bad_heads),
-            "worst": None if self.worst is None else dict(zip(("token", "head", "dim", "request"), self.worst)),
+            "worst": None
+            if self.worst is None
+            else dict(zip(("token", "head", "dim", "request"), self.worst, strict=True)),
             "nonfinite": self.nonfinite,
             "tol_k": self.tol_k,
             "tol_eps": self.tol_eps,
