@@ -69,7 +69,7 @@ def computed_slots(record: StepRecord, block_size: int) -> list[list[int]]:
     return out
 
 
-def _per_request(lists: Sequence[Sequence[int]], limit: int = 4) -> str:
+def _per_request(lists: Sequence[Sequence[int | str]], limit: int = 4) -> str:
     parts = []
     for i, values in enumerate(lists[:limit]):
         parts.append(f"r{i}: {fmt_list(values, 8)}")

@@ -93,6 +93,7 @@ def check_write_path(
     key_cache[idx, off] = new_k
     value_cache[idx, off] = new_v
     expected = writer(key_cache, value_cache)  # [n, H_kv, bs, 2*D], the layout's memory order
+    assert isinstance(expected, torch.Tensor)  # only legacy writes two tensors, and it is refused above
 
     # Elements whose bits differ, read back through the layout to (block, offset, head, dim).
     diff = _differs(expected, kv_blocks).to(torch.uint8)

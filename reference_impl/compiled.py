@@ -28,6 +28,7 @@ import platform
 import shutil
 import threading
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -362,7 +363,7 @@ def paged_attention_compiled(
         ValueError: as :func:`paged_attention_fast`, and for a block id outside the cache
             in a decode row's used part of ``block_table``.
     """
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         scale=scale,
         causal=causal,
         window=window,

@@ -27,7 +27,7 @@ from tracer.format import KVCacheSpec, StepRecord, TraceError
 __all__ = ["KERNELS", "StepInputs", "compact_block_table", "reference_outputs", "run_kernel", "step_inputs"]
 
 #: Kernel name -> reference function (all share one signature, see reference_impl.kernel).
-KERNELS: dict[str, Callable[..., torch.Tensor]] = {
+KERNELS: dict[str, Callable[..., Any]] = {
     "fast": _fast.paged_attention_fast,
     "loop": _kernel.paged_attention_loop,
     "partitioned": _kernel.paged_attention_partitioned,

@@ -45,7 +45,7 @@ class KernelOptions:
         return cls(
             scale=record.scale,
             causal=record.causal,
-            window=tuple(record.sliding_window) if record.sliding_window is not None else (-1, -1),
+            window=(-1, -1) if record.sliding_window is None else (record.sliding_window[0], record.sliding_window[1]),
             softcap=record.logits_soft_cap,
             alibi_slopes=None if record.alibi_slopes is None else tuple(record.alibi_slopes),
             sinks=None if record.sinks is None else tuple(record.sinks),

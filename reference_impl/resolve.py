@@ -106,7 +106,7 @@ def resolve_layout(trace: Trace, records: Sequence[StepRecord] | None = None) ->
             continue
         tensors = trace.tensors(record)
         scores = {c: _layout_score(tensors, spec, c) for c in (LAYOUT_CPU, LAYOUT_CPU_AMX)}
-        best = max(scores, key=scores.get)
+        best = max(scores, key=scores.__getitem__)
         if scores[best] >= 0.5 and scores[best] > min(scores.values()):
             return best
         break

@@ -182,7 +182,7 @@ class Tracer:
     def _wrap_runner(self, method: str):
         """Return a wrapper factory for one model-runner method."""
         tracer = self
-        phase = {
+        phase: str | None = {
             "execute_model": "request",
             "profile_run": "profile",
             "capture_model": "warmup",
@@ -214,6 +214,7 @@ class Tracer:
                 # runner pads data-parallel steps with a _dummy_run inside execute_model.
                 nested = outer is not None and (tracer._depth > 0 or method == "_dummy_run")
                 effective = outer if nested else phase
+                assert effective is not None  # prepare_inputs has its own wrapper above
                 new_step = counts_step and tracer._depth == 0
                 if new_step:
                     tracer.step += 1
@@ -473,7 +474,9 @@ class Tracer:
 
 def _is_warmup_batch(req_ids: tuple[str, ...] | None) -> bool:
     """True for the V2 runner's fake warm-up requests (``_warmup_<i>_``)."""
-    return bool(req_ids) and all(r.startswith(WARMUP_REQ_PREFIX) for r in req_ids)
+    if not req_ids:
+        return False
+    return all(r.startswith(WARMUP_REQ_PREFIX) for r in req_ids)
 
 
 @functools.lru_cache(maxsize=1)

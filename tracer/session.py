@@ -223,6 +223,7 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
         notify("phase", "engine", None)
         t0 = time.perf_counter()
         from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.device_type == "cpu"
@@ -262,7 +263,8 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
         def bar(*args: Any, **kwargs: Any) -> _ProgressBar:
             return _ProgressBar(*args, callback=progress, **kwargs)
 
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=bar if progress else False)
+        token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outs = llm.generate(token_prompts, params, use_tqdm=bar if progress else False)
         gen_s = time.perf_counter() - t1
         result = SessionResult(
             config=asdict(cfg),

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from pagedtrace.commands import short_layer
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console=console,
         transient=False,
     ) as progress:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def on_event(event: str, what: str, value) -> None:
             if event == "phase" and what == "engine":

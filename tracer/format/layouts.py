@@ -273,7 +273,7 @@ def describe_layout(
     if layout in FLASH_STRIDE_ORDER:
         shape = (nb, nh, bs, 2 * d)
         strides = flash_strides(nb, nh, bs, d, layout)
-        tensors = (StoredTensor("kv_cache", shape, strides, nb * nh * bs * 2 * d),)
+        tensors: tuple[StoredTensor, ...] = (StoredTensor("kv_cache", shape, strides, nb * nh * bs * 2 * d),)
         dims = ("block", "head", "token", "dim")
         view_strides = strides
         k_view = ComponentView("k", "kv_cache", dims, (nb, nh, bs, d), view_strides, 0)

@@ -162,7 +162,10 @@ class Trace:
                             ) from None
                         problems.append(msg)
                         continue
-                    (records if isinstance(rec, StepRecord) else gaps).append(rec)
+                    if isinstance(rec, StepRecord):
+                        records.append(rec)
+                    else:
+                        gaps.append(rec)
         return cls(path=path, run=run, records=records, gaps=gaps, problems=problems)
 
     def steps(self, *, kind: str | None = None, layer: str | None = None) -> list[StepRecord]:
