@@ -198,6 +198,14 @@ class StepRecord(_JsonRecord):
     sinks: tuple[float, ...] | None = field(
         default=None, metadata={SINCE: 2}
     )  #: per query head attention-sink logits (e.g. gpt-oss), else None
+    #: fp8 attention (``kv_cache_dtype="fp8"``): the layer's ``_q_scale`` / ``_k_scale`` / ``_v_scale``
+    #: as the engine used them this step; None when not recorded (then ``KVCacheSpec``'s scales, or 1.0).
+    q_scale: float | None = field(default=None, metadata={SINCE: 2})
+    k_scale: float | None = field(default=None, metadata={SINCE: 2})
+    v_scale: float | None = field(default=None, metadata={SINCE: 2})
+    #: torch dtype of the query as it reached attention, e.g. ``bfloat16`` (``float8_e4m3fn`` when vLLM
+    #: quantized it for FA3's fp8 path); None when not recorded.
+    query_dtype: str | None = field(default=None, metadata={SINCE: 2})
     tensors: str | None = None  #: safetensors file under ``tensors/``, or None when not captured
     tensor_names: tuple[str, ...] = ()  #: tensors in that file
 

@@ -22,7 +22,9 @@ __version__ = "0.1.0"
 #:   backend's AMX packing ``cpu`` (``reference_impl.replay.resolve_layout`` finds it).
 #:   ``replay.json`` had no version and wrote ``skipped`` as a count.
 #: 2 (pagedtrace 0.2, 2026-12-01)
-#:   Every record field is written and required (``alibi_slopes`` / ``sinks`` included);
+#:   ``StepRecord`` gains ``q_scale`` / ``k_scale`` / ``v_scale`` and ``query_dtype`` (what fp8
+#:   attention really used). Every record field is written and required (``alibi_slopes`` /
+#:   ``sinks`` included);
 #:   ``kind`` (``STEP_KINDS``) and ``layout`` (the layout registry's stored names) are
 #:   checked on load; ``replay.json`` carries ``format_version`` and lists ``skipped``
 #:   records with their reasons.
