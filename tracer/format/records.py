@@ -11,9 +11,12 @@ on machines without vLLM, torch or a GPU.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from tracer.format import schema
+from tracer.format.errors import TraceError
 from tracer.format.layouts import STORED_LAYOUTS
 from tracer.format.version import FORMAT_VERSION
 
@@ -27,15 +30,19 @@ STEP_KINDS = ("profile", "warmup", "request")
 LAYOUTS = STORED_LAYOUTS
 
 
-class TraceError(Exception):
-    """A trace cannot be written or read: bad version, truncated line, missing file."""
-
-
-def _tuple(value: Any) -> Any:
-    """Turn JSON lists (nested) back into tuples so records stay hashable and frozen."""
-    if isinstance(value, list):
-        return tuple(_tuple(v) for v in value)
-    return value
+__all__ = [
+    "LAYOUTS",
+    "SINCE",
+    "STEP_KINDS",
+    "GapRecord",
+    "KVCacheSpec",
+    "ModelSummary",
+    "RunInfo",
+    "StepRecord",
+    "TraceError",
+    "record_from_json",
+    "record_to_json",
+]
 
 
 #: Field metadata key: the format version that introduced a field. Reading an older
@@ -54,7 +61,10 @@ class _JsonRecord:
     trace written by another format version never loads silently wrong. The one
     exception is spelled out per field: a field introduced in format version N
     (``metadata={SINCE: N}``) may be absent from a record of an older version, and then
-    takes its default. Fields with a vocabulary (``kind``, ``layout``) are checked.
+    takes its default. Every value is checked against its field's annotation
+    (:func:`tracer.format.schema.decode`: types, ranges, lengths, valid Unicode), fields
+    with a vocabulary (``kind``, ``layout``) against it, and the record as a whole by its
+    class's checker in ``_CHECKS`` (:func:`tracer.format.schema.check_step`).
     """
 
     def to_json(self) -> dict[str, Any]:
@@ -71,7 +81,8 @@ class _JsonRecord:
     def from_json(cls, data: dict[str, Any], version: int = FORMAT_VERSION):
         """Build the record from ``to_json``'s output, written by format ``version``.
 
-        A wrong key set or a value outside its vocabulary is a ``TraceError``.
+        A wrong key set, a value of the wrong type or range, a value outside its vocabulary
+        or an inconsistent record is a ``TraceError`` naming the field.
         """
         if not isinstance(data, dict):
             raise TraceError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
@@ -80,19 +91,33 @@ class _JsonRecord:
         missing = required - data.keys()
         unknown = data.keys() - names.keys()
         if missing or unknown:
-            raise TraceError(f"{cls.__name__}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+            unknown_names = [name[:40] for name in sorted(unknown)[:8]] + (["..."] if len(unknown) > 8 else [])
+            raise TraceError(f"{cls.__name__}: missing fields {sorted(missing)}, unknown fields {unknown_names}")
+        owner = cls.__name__
+        hints = _hints(cls)
         kwargs = {}
         for name, value in data.items():
-            allowed = _VOCABULARY.get((cls.__name__, name))
+            value = schema.decode(hints[name], value, f"{owner}.{name}", owner, name, version)
+            allowed = _VOCABULARY.get((owner, name))
             if allowed is not None and value not in allowed:
-                raise TraceError(f"{cls.__name__}: {name} {value!r} is not one of {', '.join(allowed)}")
-            nested = _NESTED.get((cls.__name__, name))
-            if nested is not None and value is not None:
-                value = nested.from_json(value, version)
-            elif name not in _KEEP_AS_IS:
-                value = _tuple(value)
+                raise TraceError(f"{owner}: {name} {str(value)[:40]!r} is not one of {', '.join(allowed)}")
             kwargs[name] = value
-        return cls(**kwargs)
+        record = cls(**kwargs)
+        check = _CHECKS.get(owner)
+        if check is not None:
+            check(record)
+        return record
+
+
+_HINTS: dict[str, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """A record class's field annotations, resolved once (this module uses postponed annotations)."""
+    hints = _HINTS.get(cls.__name__)
+    if hints is None:
+        hints = _HINTS[cls.__name__] = typing.get_type_hints(cls)
+    return hints
 
 
 @dataclass(frozen=True)
@@ -241,11 +266,6 @@ class GapRecord(_JsonRecord):
     num_tokens: int  #: scheduled tokens in that step (0 when unknown)
 
 
-#: Nested record types, by (owner class, field name).
-_NESTED: dict[tuple[str, str], type[_JsonRecord]] = {
-    ("RunInfo", "model"): ModelSummary,
-    ("RunInfo", "kv_cache"): KVCacheSpec,
-}
 _VOCABULARY.update(
     {
         ("StepRecord", "kind"): STEP_KINDS,
@@ -253,20 +273,20 @@ _VOCABULARY.update(
         ("KVCacheSpec", "layout"): LAYOUTS,
     }
 )
-#: Fields holding free-form JSON: keep lists as lists.
-_KEEP_AS_IS = {"options", "sources", "extra"}
+#: Whole-record checks run after a record is decoded, by class name (field types are checked first).
+_CHECKS: dict[str, Any] = {"StepRecord": schema.check_step, "RunInfo": schema.check_run}
 
 
 def record_from_json(data: dict[str, Any], version: int = FORMAT_VERSION) -> StepRecord | GapRecord:
     """Decode one line of ``steps.jsonl`` (``{"type": "step"|"gap", ...}``) of format ``version``."""
     if not isinstance(data, dict) or "type" not in data:
-        raise TraceError("step line has no 'type'")
+        raise TraceError("step line is not an object with a 'type'")
     body = {k: v for k, v in data.items() if k != "type"}
     if data["type"] == "step":
         return StepRecord.from_json(body, version)
     if data["type"] == "gap":
         return GapRecord.from_json(body, version)
-    raise TraceError(f"unknown record type {data['type']!r}")
+    raise TraceError(f"unknown record type {str(data['type'])[:40]!r}")
 
 
 def record_to_json(record: StepRecord | GapRecord) -> dict[str, Any]:

@@ -18,12 +18,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
+from tracer.format.reading import (
+    MAX_LINE_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_SIDE_FILE_BYTES,
+    MAX_SOURCE_BYTES,
+    is_present,
+    open_regular,
+    parse_json,
+    read_bytes,
+    read_json_file,
+)
 from tracer.format.records import GapRecord, RunInfo, StepRecord, TraceError, record_from_json, record_to_json
+from tracer.format.schema import check_step_in_cache, check_tensors
 from tracer.format.version import FORMAT_VERSION, READABLE_VERSIONS
 
 if TYPE_CHECKING:
@@ -125,6 +138,11 @@ class Trace:
     ``problems`` lists what could not be read (a truncated last line, say) when
     the trace was opened with ``strict=False``; everything valid is in
     ``records`` and ``gaps``.
+
+    A trace is untrusted input. Reading one reads no file outside its directory
+    (:meth:`member`), only regular files (:mod:`tracer.format.reading`), and checks every
+    record against the schema (:mod:`tracer.format.schema`); whatever is wrong is a
+    ``TraceError`` with a one-line message.
     """
 
     path: Path
@@ -136,37 +154,64 @@ class Trace:
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, strict: bool = True) -> Trace:
         """Read ``path``; raise ``TraceError`` on anything malformed (unless ``strict=False``
-        for the step lines, which then keeps the valid ones and lists the rest in ``problems``)."""
+        for the step lines, which then keeps the valid ones and lists the rest in ``problems``).
+
+        A line that fails the schema names the file, the line and the field. A line longer
+        than :data:`~tracer.format.reading.MAX_LINE_BYTES` ends the reading (with
+        ``strict=False``, the records before it are kept).
+        """
         path = Path(path)
         if not path.is_dir():
             raise TraceError(f"{path}: not a trace directory")
         run = read_manifest(path)
-        records: list[StepRecord] = []
-        gaps: list[GapRecord] = []
-        problems: list[str] = []
+        trace = cls(path=path, run=run, records=[], gaps=[])
         steps_path = path / STEPS
-        if steps_path.exists():
-            with open(steps_path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = record_from_json(json.loads(line), run.format_version)
-                    except (json.JSONDecodeError, TraceError, TypeError) as exc:
-                        what = "truncated or malformed" if isinstance(exc, json.JSONDecodeError) else str(exc)
-                        msg = f"{steps_path}: line {lineno}: {what}"
-                        if strict:
-                            raise TraceError(
-                                f"{msg} ({len(records) + len(gaps)} valid records before it; "
-                                "open with strict=False to read them)"
-                            ) from None
-                        problems.append(msg)
-                        continue
-                    if isinstance(rec, StepRecord):
-                        records.append(rec)
-                    else:
-                        gaps.append(rec)
-        return cls(path=path, run=run, records=records, gaps=gaps, problems=problems)
+        try:
+            f = open_regular(steps_path)
+        except TraceError as exc:
+            if strict:
+                raise
+            trace.problems.append(str(exc))
+            return trace
+        if f is not None:
+            with f:
+                trace._read_steps(f, steps_path, strict)
+        return trace
+
+    def _read_steps(self, f: BinaryIO, steps_path: Path, strict: bool) -> None:
+        spec = self.run.kv_cache
+        lineno = 0
+        while True:
+            line = f.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                return
+            lineno += 1
+            msg = None
+            if len(line) > MAX_LINE_BYTES:
+                msg = f"longer than {MAX_LINE_BYTES:,} bytes; the rest of the file is not read"
+            elif line.strip():
+                try:
+                    rec = record_from_json(parse_json(line), self.run.format_version)
+                    if isinstance(rec, StepRecord) and spec is not None:
+                        check_step_in_cache(rec, spec)
+                except RecursionError:
+                    msg = "nested too deeply"
+                except TraceError as exc:
+                    msg = str(exc)
+                else:
+                    (self.records if isinstance(rec, StepRecord) else self.gaps).append(rec)  # type: ignore[arg-type]
+                    continue
+            else:
+                continue
+            where = f"{steps_path}: line {lineno}: {msg}"
+            if strict:
+                raise TraceError(
+                    f"{where} ({len(self.records) + len(self.gaps)} valid records before it; "
+                    "open with strict=False to read them)"
+                )
+            self.problems.append(where)
+            if len(line) > MAX_LINE_BYTES:
+                return
 
     def steps(self, *, kind: str | None = None, layer: str | None = None) -> list[StepRecord]:
         """Records, optionally only of one kind (``request`` ...) and/or one layer."""
@@ -185,17 +230,18 @@ class Trace:
                 "(trace with tensors on, e.g. `pagedtrace run --tensors`)"
             )
         file = self.member(TENSORS_DIR, record.tensors)
-        if not file.is_file():
+        if not is_present(file):
             raise TraceError(f"{file}: tensor file missing")
         try:
             from safetensors.torch import load_file
 
             loaded = load_file(str(file))
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise TraceError(f"{file}: cannot read tensors: {exc}") from None
+            raise TraceError(f"{file}: cannot read tensors: {str(exc)[:200]}") from None
         missing = set(record.tensor_names) - loaded.keys()
         if missing:
             raise TraceError(f"{file}: tensors {sorted(missing)} missing")
+        check_tensors(record, loaded, self.run.kv_cache)
         return loaded
 
     def source(self, vllm_path: str) -> str | None:
@@ -210,11 +256,11 @@ class Trace:
         if not rel.startswith(prefix):
             raise TraceError(f"{self.path / MANIFEST}: source {rel!r} is not under {SOURCES_DIR}/")
         file = self.member(SOURCES_DIR, rel[len(prefix) :])
-        if not file.is_file():
+        data = read_bytes(file, MAX_SOURCE_BYTES, "a stored source")
+        if data is None:
             return None
-        data = file.read_bytes()
         expected = entry.get("sha256")
-        if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        if hashlib.sha256(data).hexdigest() != expected:
             raise TraceError(f"{file}: content does not match the sha256 the manifest stores")
         try:
             return data.decode("utf-8")
@@ -229,26 +275,27 @@ class Trace:
         reads another file of the machine.
         """
         parts = rel.split("/")
-        if not rel or rel.startswith("/") or "\\" in rel or any(p in ("", ".", "..") for p in parts):
-            raise TraceError(f"{self.path}: {subdir}/{rel!r} is not a plain path inside the trace")
+        bad = not rel or rel.startswith("/") or "\\" in rel or "\x00" in rel or len(rel) > 4096
+        if bad or any(p in ("", ".", "..") for p in parts):
+            raise TraceError(f"{self.path}: {subdir}/{rel[:200]!r} is not a plain path inside the trace")
         file = self.path / subdir
         for part in ("", *parts):
             file = file / part if part else file
-            if file.is_symlink():
+            try:
+                link = stat.S_ISLNK(os.lstat(file).st_mode)
+            except FileNotFoundError:
+                break  # nothing below it either: the reader reports the file missing
+            except OSError as exc:
+                raise TraceError(f"{file}: cannot read: {exc.strerror or exc}") from None
+            if link:
                 raise TraceError(f"{file}: a symbolic link inside the trace; refusing to follow it")
         return file
 
     def read_json(self, name: str) -> Any | None:
         """A side file (``session.json``, ``replay.json``), or None if absent."""
-        file = self.path / name
-        if file.is_symlink():
-            raise TraceError(f"{file}: a symbolic link inside the trace; refusing to follow it")
-        if not file.is_file():
-            return None
-        try:
-            return json.loads(file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-            raise TraceError(f"{file}: not valid JSON: {exc}") from None
+        if "/" in name or name in ("", ".", ".."):
+            raise TraceError(f"{self.path}: side file {name!r} is not a plain file name")
+        return read_json_file(self.path / name, MAX_SIDE_FILE_BYTES, "a side file")
 
     def iter_with_tensors(self, **filters: Any) -> Iterator[tuple[StepRecord, dict[str, torch.Tensor]]]:
         """Yield (record, tensors) for the records that have tensors."""
@@ -260,12 +307,10 @@ class Trace:
 def read_manifest(path: Path) -> RunInfo:
     """Read and version-check ``manifest.json``."""
     file = path / MANIFEST
-    if not file.is_file():
+    raw = read_bytes(file, MAX_MANIFEST_BYTES, "a manifest")
+    if raw is None:
         raise TraceError(f"{path}: no {MANIFEST} (not a pagedtrace trace, or the engine never ran attention)")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{file}: not valid JSON: {exc}") from None
+    data = parse_json(raw, str(file))
     version = data.get("format_version") if isinstance(data, dict) else None
     if type(version) is not int or version not in READABLE_VERSIONS:
         readable = ", ".join(map(str, READABLE_VERSIONS))
@@ -274,6 +319,8 @@ def read_manifest(path: Path) -> RunInfo:
         return RunInfo.from_json(data, version)
     except TraceError as exc:
         raise TraceError(f"{file}: {exc}") from None
+    except RecursionError:
+        raise TraceError(f"{file}: nested too deeply") from None
 
 
 def write_side_file(path: str | os.PathLike[str], name: str, data: Any) -> None:
