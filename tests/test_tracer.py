@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reference_impl.layouts import cpu_layout_for
-from tests.factories import UNTRACED_SNIPPET, engine_env, run_engine
+from tests.factories import RUN_ARGS, UNTRACED_SNIPPET, engine_env, run_engine
 from tracer.format import Trace
 
 pytestmark = pytest.mark.engine
@@ -121,20 +121,82 @@ def test_greedy_tokens_identical_with_and_without_tracing(cpu_session):
     assert len({tuple(o) for o in cpu_session["outputs"]}) > 1
 
 
-def test_unwritable_trace_dir_warns_and_the_engine_runs_on(cpu_session, tmp_path):
+def test_unwritable_trace_dir_keeps_the_tokens(cpu_session, tmp_path):
+    """`run -o` under a regular file (cannot be created, also as root): tokens printed, one warning, exit 2."""
+    import subprocess
+    import sys
+
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    proc = run_engine(
-        [
-            "-c",
-            UNTRACED_SNIPPET.replace("trace=False", "trace=True").replace(
-                'trace_dir="unused"', f'trace_dir="{blocker}/trace"'
-            ),
-        ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedtrace", "run", "-o", f"{blocker}/trace", *RUN_ARGS],
+        capture_output=True,
+        text=True,
+        env=engine_env(COLUMNS="200"),
+        timeout=900,
     )
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("TOKENS="))
-    assert json.loads(line[len("TOKENS=") :]) == cpu_session["outputs"]
-    assert "cannot write trace" in proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-4000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    for output in cpu_session["outputs"]:  # the same tokens as the traced run, printed
+        assert " ".join(map(str, output)) in proc.stdout
+    warning = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "cannot write trace" in warning[0], proc.stdout
+    assert blocker.read_text() == "not a directory"
+
+
+#: A traced session that copies its trace directory after each gap written before the first
+#: step record (what a SIGKILL at that moment would leave: every write is flushed), then
+#: SIGKILLs itself just after that first step record.
+KILLED_SNIPPET = """
+import os, shutil, signal, sys
+import tracer.hooks as hooks
+from tracer.format import StepRecord
+from tracer.session import SessionConfig, run_session
+
+class KillAfterFirstStep(hooks.TraceWriter):
+    snapshots = 0
+    def append(self, record, tensors=None):
+        stored = super().append(record, tensors)
+        if isinstance(record, StepRecord):
+            os.kill(os.getpid(), signal.SIGKILL)
+        KillAfterFirstStep.snapshots += 1
+        shutil.copytree(self.path, f"{self.path}.at{KillAfterFirstStep.snapshots}")
+        return stored
+
+hooks.TraceWriter = KillAfterFirstStep
+run_session(SessionConfig(trace_dir=sys.argv[1], num_prompts=2, prompt_len=(20, 40), max_tokens=3))
+"""
+
+
+def test_a_trace_killed_after_its_first_step_opens(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "killed"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_SNIPPET, str(out)], capture_output=True, text=True, env=engine_env(), timeout=900
+    )
+    assert proc.returncode == -9, proc.stderr[-4000:]
+    # Killed after the profile run's gap, before any record: the manifest was written first.
+    early = sorted(tmp_path.glob("killed.at*"))
+    assert early, "no gap was written before the first step record"
+    for snapshot in early:
+        t = Trace.open(snapshot, strict=False)
+        assert t.problems == [] and t.records == [] and t.gaps[0].kind == "profile"
+        assert t.run.kv_cache is None and t.run.extra["finished"] is False
+    # Killed just after the first step record: that record, its tensors and the KV-cache spec.
+    t = Trace.open(out, strict=False)
+    assert t.problems == [] and len(t.records) == 1 and [g.kind for g in t.gaps] == ["profile"]
+    assert t.run.kv_cache is not None and t.run.extra["finished"] is False
+    assert t.run.kv_cache.layer_names and t.run.sources
+    rec = t.records[0]
+    if rec.tensors:
+        assert t.tensors(rec)["query"].shape[0] == rec.num_actual_tokens
+    assert not (out / "session.json").exists()
+
+
+def test_a_finished_trace_says_so(trace):
+    assert trace.run.extra["finished"] is True
 
 
 def test_plugin_traces_the_engine_core_process(tmp_path):

@@ -3,9 +3,10 @@
 The hooks only record: in ``forward`` / ``do_kv_cache_update`` they clone the few
 tensors they need *on the device* (no host sync) and append a ``tracer.pending.Pending``.
 When the model runner's step returns, ``Tracer._flush`` has each one copy itself to the
-host and shape its record, then writes them (the manifest, from ``tracer.manifest``, with
-the first). Nothing is copied while a CUDA graph is being captured: that would abort the
-capture and crash the engine.
+host and shape its record, then writes them. The manifest (``tracer.manifest.write_manifest``)
+goes to disk before the first line of ``steps.jsonl`` and is completed by the first record and
+by ``stop()``, so a trace killed at any point after that opens. Nothing is copied while a
+CUDA graph is being captured: that would abort the capture and crash the engine.
 
 Patched (when importable):
 
@@ -24,13 +25,14 @@ import functools
 import logging
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tracer.format import GapRecord, TraceWriter, layer_matches, step_in_range, store_sources
-from tracer.manifest import build_run_info, import_attr, tp_rank, vllm_sources
+from tracer.format import GapRecord, RunInfo, TraceWriter, layer_matches, step_in_range
+from tracer.manifest import import_attr, tp_rank, write_manifest
 from tracer.options import TracerOptions
-from tracer.pending import Pending
+from tracer.pending import Pending, capture_scales, dtype_name
 
 __all__ = ["BACKEND_TARGETS", "RUNNER_METHODS", "RUNNER_TARGETS", "Tracer", "TracerOptions", "active"]
 
@@ -72,8 +74,11 @@ class Tracer:
         self._env_backup: dict[str, str | None] = {}
         self._writer: TraceWriter | None = None
         self._write_failed = False
+        #: Why the trace is incomplete (the first write or recording failure), or None.
+        self.error: str | None = None
         self._warned = False
-        self._manifest_written = False
+        self._manifest_written = False  # with the first record's backend and KV cache
+        self._run_info: RunInfo | None = None  # the manifest on disk, once written
         self._layer_locked: str | None = None
         self._runner: Any = None
         self._vllm_config: Any = None
@@ -124,7 +129,10 @@ class Tracer:
             if _ACTIVE is not self:
                 return
             try:
-                self._flush()
+                try:
+                    self._flush()
+                except Exception as exc:  # noqa: BLE001 - the session's tokens matter more
+                    self._fail(f"pagedtrace: recording failed ({exc!r}); the last step is not in the trace")
                 self._finish()
             finally:
                 self._uninstall()
@@ -262,8 +270,7 @@ class Tracer:
             try:
                 tracer._on_forward(impl, layer, query, kv_cache, attn_metadata, output)
             except Exception as exc:  # noqa: BLE001 - the engine must run on
-                tracer._warn_once(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
-                tracer._write_failed = True
+                tracer._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
             return result
 
         return forward
@@ -342,6 +349,8 @@ class Tracer:
             "num_heads": int(impl.num_heads),
             "num_kv_heads": int(impl.num_kv_heads),
             "head_size": int(impl.head_size),
+            # float8_e4m3fn when the layer quantized the query for FA3's fp8 path (a dtype: no sync)
+            "query_dtype": dtype_name(query),
         }
         num_reqs = int(md.seq_lens.shape[0])
         dev = {
@@ -361,7 +370,8 @@ class Tracer:
         kind = self._kind()
         if kind == "request" and _is_warmup_batch(req_ids):
             kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
-        self._pending.append(Pending(self.step, kind, name, impl, metadata, dev, kv_cache, req_ids))
+        pending = Pending(self.step, kind, name, impl, metadata, dev, kv_cache, req_ids, capture_scales(layer))
+        self._pending.append(pending)
 
     def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
         ids: Any = self._v2_req_ids
@@ -389,8 +399,7 @@ class Tracer:
                     self._record_gap(kind, "profile run: vLLM skips attention", 0)
             self._flush()
         except Exception as exc:  # noqa: BLE001
-            self._warn_once(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
-            self._write_failed = True
+            self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
             self._pending.clear()
 
     def _record_gap(self, kind: str, reason: str, num_tokens: int) -> None:
@@ -402,21 +411,35 @@ class Tracer:
         self._kv_inputs.clear()
         for p in pending:
             rec, tensors = p.shape()
-            if not self._manifest_written:
-                self._write_manifest(p)
-            self._write(rec, tensors)
+            self._write(rec, tensors, p)
             self.stats["records"] += 1
 
-    def _write(self, record, tensors) -> None:
+    def _write(self, record, tensors, first: Pending | None = None) -> None:
+        """Append one record; the manifest goes to disk before the first line of ``steps.jsonl``.
+
+        ``first``: the record's pending forward, whose backend and cache complete the manifest.
+        """
         if self._write_failed:
             return
         try:
-            stored = self._writer_or_new().append(record, tensors)
+            writer = self._writer_or_new()
+            if not self._manifest_written and (first is not None or self._run_info is None):
+                # A gap (the profile run) can come first: write what is known now, so a trace
+                # killed from here on opens; the first record's backend and cache complete it.
+                self._run_info = write_manifest(
+                    writer,
+                    self.options,
+                    self._vllm_config,
+                    impl=first.impl if first else None,
+                    kv_cache=first.kv_cache if first else None,
+                    layer=first.layer if first else "",
+                )
+                self._manifest_written = first is not None
+            stored = writer.append(record, tensors)
             if getattr(stored, "tensors", None):
                 self.stats["tensor_files"] += 1
         except OSError as exc:
-            self._write_failed = True
-            self._warn_once(
+            self._fail(
                 f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
             )
 
@@ -429,6 +452,13 @@ class Tracer:
             self._writer = TraceWriter(directory, tensor_budget_bytes=self.options.budget_bytes)
         return self._writer
 
+    def _fail(self, message: str) -> None:
+        """Stop tracing (the engine runs on); keep the first reason in ``error``, warn once."""
+        self._write_failed = True
+        if self.error is None:
+            self.error = message
+        self._warn_once(message)
+
     def _warn_once(self, message: str) -> None:
         if not self._warned:
             self._warned = True
@@ -437,29 +467,7 @@ class Tracer:
 
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    # -- manifest -----------------------------------------------------------
-
-    def _write_manifest(self, first: Pending) -> None:
-        # Written with the first record: only a recorded forward shows the backend and its cache.
-        if self._write_failed:
-            return
-        try:
-            writer = self._writer_or_new()
-            sources = store_sources(writer, vllm_sources())
-            writer.write_manifest(
-                build_run_info(
-                    self.options,
-                    self._vllm_config,
-                    sources,
-                    impl=first.impl,
-                    kv_cache=first.kv_cache,
-                    layer=first.layer,
-                )
-            )
-            self._manifest_written = True
-        except OSError as exc:
-            self._write_failed = True
-            self._warn_once(f"pagedtrace: cannot write trace to {self.options.directory}: {exc}")
+    # -- closing -------------------------------------------------------------
 
     def _finish(self) -> None:
         if self._writer is not None:
@@ -469,6 +477,12 @@ class Tracer:
                     self.options.budget_bytes,
                 )
             self._writer.close()
+            if self._run_info is not None and not self._write_failed:
+                finished = replace(self._run_info, extra={**self._run_info.extra, "finished": True})
+                try:
+                    self._writer.write_manifest(finished)
+                except OSError as exc:
+                    self._fail(f"pagedtrace: cannot finish the trace's manifest in {self.options.directory}: {exc}")
             self._writer = None
 
 

@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import logging
 import os
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,23 @@ from tracer.format import (
     KVCacheSpec,
     ModelSummary,
     RunInfo,
+    TraceWriter,
     __version__,
     layer_index,
     read_sources,
+    store_sources,
 )
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS, TracerOptions
 
-__all__ = ["build_run_info", "import_attr", "kv_cache_spec", "kv_layout_of", "tp_rank", "vllm_sources"]
+__all__ = [
+    "build_run_info",
+    "import_attr",
+    "kv_cache_spec",
+    "kv_layout_of",
+    "tp_rank",
+    "vllm_sources",
+    "write_manifest",
+]
 
 logger = logging.getLogger("pagedtrace")
 
@@ -133,8 +144,56 @@ def build_run_info(
         options=options.to_json(),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         sources=sources,
-        extra={"pid": os.getpid()},
+        extra={"pid": os.getpid(), "model_attention": _model_attention(cfg)},
     )
+
+
+def _model_attention(cfg: Any) -> dict[str, Any]:
+    """The model config's attention settings, for ``tracer.format.metadata``'s flag check.
+
+    Raw config values, not the backend's: the check compares them with what each layer's
+    impl reported, so they must come from the other side.
+    """
+    mc = getattr(cfg, "model_config", None)
+    if mc is None:
+        return {}
+    hf = mc.hf_text_config
+    layer_types = getattr(hf, "layer_types", None)
+    softcap = getattr(hf, "attn_logit_softcapping", None)
+    return {
+        "sliding_window": getattr(hf, "sliding_window", None),
+        "cache_sliding_window": getattr(getattr(cfg, "cache_config", None), "sliding_window", None),
+        "layer_types": list(layer_types) if layer_types else None,
+        "attn_logit_softcapping": None if softcap is None else float(softcap),
+    }
+
+
+def write_manifest(
+    writer: TraceWriter,
+    options: TracerOptions,
+    vllm_config: Any,
+    *,
+    impl: Any = None,
+    kv_cache: Any = None,
+    layer: str = "",
+) -> RunInfo:
+    """Write ``manifest.json`` (small, atomically) first; with ``impl``, store the sources and rewrite it.
+
+    Without a recorded forward (``impl``) the manifest has no ``KVCacheSpec`` yet and no
+    sources. ``extra["finished"]`` is False: the tracer sets it when it stops, so a trace
+    whose process was killed says so. Returns what is on disk; raises ``OSError``.
+    """
+    run = build_run_info(options, vllm_config, {}, impl=impl, kv_cache=kv_cache, layer=layer)
+    run = replace(run, extra={**run.extra, "finished": False})
+    # Before the sources: a disk that fills while they are copied still leaves a manifest.
+    writer.write_manifest(run)
+    if impl is None:
+        return run
+    sources = store_sources(writer, vllm_sources())
+    if sources:
+        run = replace(run, sources=sources)
+        writer.write_manifest(run)
+    return run
 
 
 def _model_summary(cfg: Any) -> ModelSummary | None:

@@ -36,6 +36,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_model_len": 4096,
         "about": "Qwen2.5-7B-Instruct's shape (28 layers, 28/4 heads, D=128): the vLLM lesson's model",
     },
+    "llama-3.1-8b": {
+        "config": "llama-3.1-8b.json",
+        "max_model_len": 4096,
+        "about": "Llama-3.1-8B's shape (32 layers, 32/8 heads, D=128, llama3 RoPE)",
+    },
+    "gemma-2-9b": {
+        "config": "gemma-2-9b.json",
+        "max_model_len": 4096,
+        "about": "Gemma-2-9B's shape (42 layers, 16/8 heads, D=256, soft-cap 50) with a 64-token "
+        "sliding window on even layers (the real model's is 4096), so the window bites on short prompts",
+    },
 }
 
 #: Environment for a quiet, loopback-only engine (vLLM's own variables).
@@ -78,6 +89,10 @@ class SessionConfig:
     gpu_memory_utilization: float = 0.85
     trace: bool = True  #: False runs the same session untraced (to compare tokens)
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"  #: vLLM's ``kv_cache_dtype``, e.g. ``fp8`` (FA3 then quantizes the query too)
+    flash_attn_version: int | None = None  #: ``attention_config={"flash_attn_version": N}``; None: vLLM's choice
+    max_num_batched_tokens: int | None = None  #: scheduler token budget per step; small = chunked prefill
+    prefix_caching: bool = True  #: vLLM's ``enable_prefix_caching`` (``--no-prefix-caching`` turns it off)
 
 
 @dataclass
@@ -93,6 +108,10 @@ class SessionResult:
     model_name: str
     frontend_pid: int = field(default_factory=os.getpid)  #: the process that called vLLM
     stats: dict[str, Any] = field(default_factory=dict)
+    #: Why the trace is incomplete or missing (it could not be written, say); None when whole.
+    #: Seen in this process only: with ``multiprocess`` the engine core's tracer warns in its log.
+    trace_error: str | None = None
+    warnings: list[str] = field(default_factory=list)  #: side files that could not be written
 
 
 def make_prompts(cfg: SessionConfig, vocab_size: int) -> list[list[int]]:
@@ -235,8 +254,16 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
             max_model_len=cfg.max_model_len or preset_len or 2048,
             dtype=cfg.dtype,
             enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=True,
+            enable_prefix_caching=cfg.prefix_caching,
         )
+        if cfg.kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = cfg.kv_cache_dtype
+        if cfg.flash_attn_version is not None:
+            kwargs["attention_config"] = {"flash_attn_version": cfg.flash_attn_version}
+        if cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+            # vLLM refuses a token budget below max_num_seqs (256 by default).
+            kwargs["max_num_seqs"] = min(cfg.max_num_batched_tokens, 256)
         block_size = cfg.block_size or (32 if on_cpu else None)
         if block_size:
             kwargs["block_size"] = block_size
@@ -279,11 +306,15 @@ def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | 
         if t is not None:
             result.stats = dict(t.stats)
             t.stop()
+            result.trace_error = t.error
             t = None
             from tracer.format import SESSION, write_side_file
 
             if trace_dir.is_dir():
-                write_side_file(trace_dir, SESSION, asdict(result))  # json writes tuples as lists
+                try:  # the tokens are in the result either way: a side file is not worth them
+                    write_side_file(trace_dir, SESSION, asdict(result))  # json writes tuples as lists
+                except OSError as exc:
+                    result.warnings.append(f"cannot write {trace_dir / SESSION}: {exc}")
         return result
     finally:
         if t is not None:

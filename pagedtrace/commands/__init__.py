@@ -1,6 +1,14 @@
-"""One module per ``pagedtrace`` subcommand: ``add_parser(subparsers)`` and ``run(args, console) -> int``."""
+"""One module per ``pagedtrace`` subcommand: ``add_parser(subparsers)`` and ``run(args, console) -> int``.
+
+Strings from a trace, a path or the user (layer names, model names, paths, messages) are
+untrusted: rich would read ``[/x]`` in them as markup (a ``MarkupError``) and ``[link=...]``
+as a terminal hyperlink. Commands print them through :func:`literal` (a ``Text``, which
+rich never parses), and keep markup for their own fixed words only.
+"""
 
 from __future__ import annotations
+
+from rich.text import Text
 
 from tracer.format import layer_index
 
@@ -9,3 +17,8 @@ def short_layer(name: str) -> str:
     """``model.layers.7.self_attn.attn`` -> ``L7`` for narrow terminal tables; other names unchanged."""
     index = layer_index(name)
     return f"L{index}" if index is not None else name
+
+
+def literal(value: object, style: str = "") -> Text:
+    """``value`` as text printed exactly as written: no markup, no emoji codes."""
+    return Text(str(value), style=style)

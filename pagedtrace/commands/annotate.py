@@ -114,7 +114,7 @@ def build_missing_table(annotated: AnnotatedSource) -> Table:
     table.add_column("anchor")
     table.add_column("reason", style="red")
     for note in annotated.missing:
-        table.add_row(note.label, note.text)
+        table.add_row(Text(note.label), Text(note.text))  # Text: never read as markup
     return table
 
 

@@ -7,6 +7,7 @@ import time
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from pagedtrace.cli import UsageError
 from reports.build import BuildResult, write_report
@@ -38,10 +39,10 @@ def build_result_table(result: BuildResult, seconds: float) -> Table:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="dim")
     table.add_column()
-    table.add_row("index", str(result.index))
+    table.add_row("index", Text(str(result.index)))  # a path: Text, never markup
     table.add_row("pages", str(result.pages))
     name, size = result.largest_page
-    table.add_row("largest page", f"{name} ({size / 1024:.0f} KiB)")
+    table.add_row("largest page", Text(f"{name} ({size / 1024:.0f} KiB)"))
     table.add_row("time", f"{seconds:.2f} s")
     return table
 
@@ -56,6 +57,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
             result = write_report(args.trace, args.output, max_step_pages=args.max_step_pages)
     except OSError as exc:
         raise UsageError(f"cannot write the report to {args.output}: {exc.strerror or exc}") from None
-    console.print(f"[bold green]report written:[/] {result.index}", highlight=False)
+    console.print(Text.assemble(("report written:", "bold green"), " ", str(result.index)), highlight=False)
     console.print(build_result_table(result, time.perf_counter() - start))
     return 0
