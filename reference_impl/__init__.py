@@ -13,8 +13,9 @@ standard library and ``tracer.format`` (the bottom layer) (to read traces).
 :mod:`reference_impl.compiled`
     :func:`paged_attention_fast` with its decode rows in a small C++ kernel built on first
     use (opt-in, for replaying long traces; needs a C++ compiler and ninja).
-:mod:`reference_impl.tolerances`
-    Error measured against a low-precision baseline: the bar every kernel is held to.
+:mod:`reference_impl.tolerances`, :mod:`reference_impl.emulation`
+    The bar every kernel is held to: a small multiple of FlashAttention's own rounding
+    (emulated: fp32 scores and softmax, P rounded before P·V, fp8 as FA3 runs it), per head.
 :mod:`reference_impl.options`
     :class:`~reference_impl.options.KernelOptions`: a step's kernel keywords, declared once.
 :mod:`reference_impl.layouts`

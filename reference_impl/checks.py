@@ -86,8 +86,11 @@ def check_write_path(
     rows = captured.nonzero().flatten()
     idx, off = index[rows], offset[rows]
 
-    new_k = quantize_like_cache(key[:num][rows], kv_blocks.dtype, spec.k_scale)  # [t, H_kv, D]
-    new_v = quantize_like_cache(value[:num][rows], kv_blocks.dtype, spec.v_scale)
+    # The scales the engine used that step (format 2), else the manifest's.
+    k_scale = spec.k_scale if record.k_scale is None else record.k_scale
+    v_scale = spec.v_scale if record.v_scale is None else record.v_scale
+    new_k = quantize_like_cache(key[:num][rows], kv_blocks.dtype, k_scale)  # [t, H_kv, D]
+    new_v = quantize_like_cache(value[:num][rows], kv_blocks.dtype, v_scale)
     got_k, got_v = read_cache(kv_blocks, layout, spec.head_size)
     key_cache, value_cache = got_k.clone(), got_v.clone()
     key_cache[idx, off] = new_k

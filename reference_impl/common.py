@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8_STORAGE", "add_sinks", "cdiv", "check_args", "read_cache_as"]
+__all__ = ["FP8_STORAGE", "add_sinks", "cdiv", "cdiv_tensor", "check_args", "check_used_blocks", "read_cache_as"]
 
 #: Cache dtypes holding fp8 e4m3 values (vLLM stores ``kv_cache_dtype="fp8"`` as uint8).
 FP8_STORAGE = (torch.uint8, torch.float8_e4m3fn)
@@ -38,7 +38,8 @@ def check_args(
 
     Shapes: ``query [T, H, D]``, caches ``[nb, bs, H_kv, D]`` with ``H % H_kv == 0``,
     ``seq_lens [B]``, ``query_start_loc [B + 1]``, ``block_table [>= B, max_blocks]`` wide
-    enough for the longest sequence.
+    enough for the longest sequence, and every block a sequence with queries reads inside
+    the cache (:func:`check_used_blocks`).
     """
     if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(
@@ -64,6 +65,38 @@ def check_args(
             f"block_table has {block_table.shape[1]} columns of {key_cache.shape[1]} slots; "
             f"sequence {longest} has {int(seq_lens[longest])} keys"
         )
+    check_used_blocks(block_table, seq_lens, query_start_loc, key_cache.shape[0], key_cache.shape[1])
+
+
+def check_used_blocks(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """Raise ``ValueError`` naming the first block a sequence reads that is not in the cache.
+
+    Row ``b`` reads entries ``0 .. ceil(seq_lens[b] / block_size) - 1`` when it has queries;
+    each must be a block of the cache (``0 <= id < num_blocks``). Past them the table may
+    hold anything (vLLM leaves them stale). Without this a ``-1`` would index the last block
+    (a silent wrong answer) in one form and raise a bare ``IndexError`` in another.
+    """
+    num_seqs = seq_lens.shape[0]
+    if not num_seqs or block_table.numel() == 0:
+        return
+    used = cdiv_tensor(seq_lens.long(), block_size)  # [B]
+    has_queries = (query_start_loc[1:] - query_start_loc[:-1]) > 0
+    columns = torch.arange(block_table.shape[1])[None, :] < (used * has_queries)[:, None]
+    rows = block_table[:num_seqs].long()
+    bad = columns & ((rows < 0) | (rows >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{b}][{j}] is {int(rows[b, j])}: sequence {b} ({int(seq_lens[b])} keys) reads "
+            f"logical block {j}, but the cache has blocks 0..{num_blocks - 1}"
+        )
+
+
+def cdiv_tensor(a: torch.Tensor, b: int) -> torch.Tensor:
+    """``ceil(a / b)`` elementwise for a non-negative integer tensor."""
+    return -(-a // b)
 
 
 def add_sinks(

@@ -312,8 +312,8 @@ def paged_attention_fast(
         query_start_loc: ``[B + 1]``.
         scale, causal, window, softcap, alibi_slopes (``[H]``), sinks (``[H]``), k_scale,
         v_scale: see :mod:`reference_impl.kernel`.
-        compute_dtype: fp32 (default) or fp64; bf16/fp16 give the low-precision baseline
-            that :func:`reference_impl.tolerances.compare` measures against.
+        compute_dtype: fp32 (default) or fp64 (bf16/fp16 run, but the bar's baseline is
+            :func:`reference_impl.emulation.emulate_flash_attention`).
         return_lse: also return the log-sum-exp of the softmax denominator.
         max_kv_elems: cap on the K elements one call gathers.
         max_score_elems: cap on the logits one call holds.

@@ -3,7 +3,15 @@
 :func:`step_inputs` reads the step's captured ``kv_blocks`` into the canonical K/V caches
 and remaps the block table onto them (:func:`compact_block_table`); :class:`KernelOptions`
 carries the step's keywords; :func:`reference_outputs` runs a reference form in fp64 and
-in the activation dtype (the low-precision baseline of :mod:`reference_impl.tolerances`).
+the FlashAttention rounding emulation (:mod:`reference_impl.emulation`, the low-precision
+baseline of :mod:`reference_impl.tolerances`).
+
+fp8 as vLLM does it: with an fp8 KV cache, FA3 gets the query already quantised to e4m3
+by ``Attention.forward`` (``QuantFP8`` with ``layer._q_scale``) and descales Q, K, V by
+``q_scale`` / ``k_scale`` / ``v_scale``. A captured fp8 query is used as it is; a captured
+bf16 query of an FA3 step whose record carries ``q_scale`` is quantised the same way
+(:func:`reference_impl.emulation.quantize_query`). The reference forms get the query
+dequantised (``e4m3 * q_scale``, exact in fp64); the emulation gets the e4m3 bytes.
 
 Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) only.
 """
@@ -19,12 +27,23 @@ import torch
 from reference_impl import compiled as _compiled
 from reference_impl import fast as _fast
 from reference_impl import kernel as _kernel
+from reference_impl.common import FP8_STORAGE
+from reference_impl.emulation import FP8_QUERY_DTYPES, dequantize_query, emulate_flash_attention, quantize_query
 from reference_impl.options import KernelOptions
 from reference_impl.resolve import read_cache
 from reference_impl.tolerances import REFERENCE_DTYPE
 from tracer.format import KVCacheSpec, StepRecord, TraceError
 
-__all__ = ["KERNELS", "StepInputs", "compact_block_table", "reference_outputs", "run_kernel", "step_inputs"]
+__all__ = [
+    "KERNELS",
+    "StepInputs",
+    "activation_dtype",
+    "compact_block_table",
+    "emulated_output",
+    "reference_outputs",
+    "run_kernel",
+    "step_inputs",
+]
 
 #: Kernel name -> reference function (all share one signature, see reference_impl.kernel).
 KERNELS: dict[str, Callable[..., Any]] = {
@@ -73,9 +92,9 @@ def run_kernel(name: str, *args: torch.Tensor, block_size: int, **kwargs: Any) -
     return fn(*args, **kwargs)
 
 
-def baseline_dtype(query: torch.Tensor) -> torch.dtype:
-    """The low-precision baseline runs in the activation dtype (fp32 models: fp32)."""
-    return query.dtype if query.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+def activation_dtype(output: torch.Tensor) -> torch.dtype:
+    """The dtype the kernel's output is rounded to: vLLM's captured output's (bf16 if it is not a float)."""
+    return output.dtype if output.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,7 +105,7 @@ class StepInputs:
     feed exactly these tensors to a kernel.
     """
 
-    query: torch.Tensor  #: ``[T, H, D]`` as captured (rows past ``num_tokens`` are padding)
+    query: torch.Tensor  #: ``[T, H, D]`` as captured, or fp8 dequantised to fp64 (rows past ``num_tokens``: padding)
     key_cache: torch.Tensor  #: ``[n, bs, H_kv, D]``: the captured blocks (+1 zero block if ``missing``)
     value_cache: torch.Tensor  #: ``[n, bs, H_kv, D]``
     block_table: torch.Tensor  #: ``[B, max_blocks]`` long: rows of the compact cache, see :func:`compact_block_table`
@@ -95,7 +114,10 @@ class StepInputs:
     kwargs: dict[str, Any]  #: the step's keywords, ``KernelOptions.kwargs()``
     num_tokens: int  #: query rows compared: ``min(query_start_loc[-1], query rows, output rows)``
     missing: tuple[int, ...] = ()  #: physical block ids the table names that were not captured
-    note: str = ""  #: what is odd about the step (uncaptured blocks, query rows != query_start_loc[-1])
+    note: str = ""  #: what is odd about the step (uncaptured blocks, query rows != query_start_loc[-1], defaults used)
+    fp8_query: torch.Tensor | None = None  #: ``[T, H, D]`` e4m3: the query FA3's fp8 path got, else None
+    q_scale: float = 1.0  #: the query's descale (fp8 path); 1.0 otherwise
+    out_dtype: torch.dtype = torch.bfloat16  #: the activation dtype the output is rounded to
 
     @property
     def args(self) -> tuple[torch.Tensor, ...]:
@@ -103,13 +125,22 @@ class StepInputs:
         return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens, self.query_start_loc)
 
 
-def step_inputs(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec, layout: str) -> StepInputs:
+def step_inputs(
+    record: StepRecord,
+    tensors: Mapping[str, torch.Tensor],
+    spec: KVCacheSpec,
+    layout: str,
+    *,
+    flash_attn_version: int | None = None,
+) -> StepInputs:
     """Read one (step, layer)'s captured tensors into kernel inputs.
 
     The captured ``kv_blocks`` are read from ``layout`` into canonical K/V caches and the
     block table is remapped from physical ids onto their rows. Blocks the table names
     but the tracer did not capture become one zero block (so a kernel fails loudly
-    instead of indexing out of range) and are listed in ``missing``.
+    instead of indexing out of range) and are listed in ``missing``. With an fp8 cache
+    the query is what FA3's fp8 path got (see the module docstring; ``flash_attn_version``
+    is the trace's ``RunInfo.flash_attn_version``).
 
     Raises:
         TraceError: ``query``, ``output``, ``kv_blocks`` or ``kv_block_ids`` was not captured,
@@ -133,6 +164,11 @@ def step_inputs(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: K
     if query.shape[0] != int(query_start_loc[-1]):
         notes.append(f"query has {query.shape[0]} rows, query_start_loc ends at {int(query_start_loc[-1])}")
     options = KernelOptions.from_step(record, spec)
+    if record.logits_soft_cap is None:
+        notes.append("logits_soft_cap is null: read as 0 (no soft-cap), as vLLM's FlashAttentionImpl does")
+    fp8_query, q_scale = _fp8_query(record, query, key_cache, flash_attn_version, notes)
+    if fp8_query is not None:
+        query = dequantize_query(fp8_query, q_scale)
     return StepInputs(
         query=query,
         key_cache=key_cache,
@@ -144,18 +180,59 @@ def step_inputs(record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: K
         num_tokens=num,
         missing=tuple(missing),
         note="; ".join(notes),
+        fp8_query=fp8_query,
+        q_scale=q_scale,
+        out_dtype=activation_dtype(output),
     )
+
+
+def _fp8_query(
+    record: StepRecord,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    flash_attn_version: int | None,
+    notes: list[str],
+) -> tuple[torch.Tensor | None, float]:
+    """The e4m3 query FA3's fp8 path got and its descale, or ``(None, 1.0)`` off that path.
+
+    Appends to ``notes`` the defaults a record without format 2's scales is read with.
+    """
+    if key_cache.dtype not in FP8_STORAGE:
+        return None, 1.0
+    if record.k_scale is None or record.v_scale is None:
+        notes.append("k/v scales not recorded (before trace format 2): the manifest's k_scale / v_scale used")
+    captured_fp8 = query.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+    said_fp8 = record.query_dtype in FP8_QUERY_DTYPES
+    quantised = captured_fp8 or said_fp8 or (record.q_scale is not None and flash_attn_version == 3)
+    if not quantised:
+        return None, 1.0
+    q_scale = 1.0 if record.q_scale is None else float(record.q_scale)
+    if record.q_scale is None:
+        notes.append("q_scale not recorded (before trace format 2): 1.0 used, vLLM's default")
+    if captured_fp8:
+        return query.to(torch.float8_e4m3fn), q_scale
+    return quantize_query(query, q_scale), q_scale
 
 
 def reference_outputs(inputs: StepInputs, kernel: str = "fast") -> tuple[torch.Tensor, torch.Tensor]:
     """The reference output (``REFERENCE_DTYPE``) and its low-precision baseline, ``[T, H, D]`` each.
 
-    The baseline is the same math in the activation dtype (bf16 for bf16 models); the
-    tolerance is ``TOL_K * max|baseline - reference| + TOL_EPS``.
+    The baseline is :func:`reference_impl.emulation.emulate_flash_attention` (FlashAttention's
+    rounding, in ``inputs.out_dtype``); it never depends on ``kernel``, the reference form
+    that gives the fp64 answer. The bar is :func:`reference_impl.tolerances.compare`'s.
     """
     block_size = inputs.key_cache.shape[1]
     expected = run_kernel(kernel, *inputs.args, block_size=block_size, compute_dtype=REFERENCE_DTYPE, **inputs.kwargs)
-    baseline = run_kernel(
-        kernel, *inputs.args, block_size=block_size, compute_dtype=baseline_dtype(inputs.query), **inputs.kwargs
+    return expected, emulated_output(inputs)
+
+
+def emulated_output(inputs: StepInputs) -> torch.Tensor:
+    """``[T, H, D]``: the step rounded as FlashAttention rounds it, in ``inputs.out_dtype``."""
+    query = inputs.fp8_query if inputs.fp8_query is not None else inputs.query
+    return emulate_flash_attention(
+        query,
+        *inputs.args[1:],
+        q_scale=inputs.q_scale,
+        out_dtype=inputs.out_dtype,
+        **inputs.kwargs,
     )
-    return expected, baseline

@@ -53,12 +53,14 @@ The forms, each tested against the others and against :func:`dense_attention`
 
 :func:`dense_attention` is the plain, non-paged reference over logically ordered K/V;
 :mod:`reference_impl.tolerances` judges a kernel's output against a reference (error
-relative to the same math in low precision, as flash-attn's tests do).
+relative to FlashAttention's rounding, emulated by :mod:`reference_impl.emulation`, as
+flash-attn's tests hold kernels to a low-precision reference).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -88,6 +90,7 @@ def paged_attention_loop(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     compute_dtype: torch.dtype = torch.float32,
+    on_block: Callable[..., None] | None = None,
 ) -> torch.Tensor:
     """Paged attention as the kernel does it: a block loop with an online softmax.
 
@@ -102,6 +105,10 @@ def paged_attention_loop(
         scale, causal, window, softcap, alibi_slopes (``[H]``), sinks (``[H]``), k_scale,
         v_scale: see the module docstring.
         compute_dtype: fp32 or fp64 (bf16/fp16 only as a low-precision baseline).
+        on_block: called after each block is folded in, with keywords ``seq`` (b), ``block``
+            (j), ``physical``, ``n_valid``, ``logits`` ``[h, g, t, n]`` (masked = -inf) and
+            the running ``m``, ``l`` ``[h, g, t]``, ``rescale`` ``[h, g, t]``, ``acc``
+            ``[h, g, t, d]``: the values :mod:`reference_impl.stepper` shows. Read only.
 
     Returns:
         ``[T, H, D]`` in ``compute_dtype``.
@@ -174,6 +181,10 @@ def paged_attention_loop(
             l = rescale * l + p.sum(dim=-1)  # tour: softmax
             acc = rescale[..., None] * acc + torch.einsum("hgtn,nhd->hgtd", p, v)  # tour: softmax
             m = m_new  # tour: softmax
+            if on_block is not None:
+                on_block(
+                    seq=b, block=j, physical=physical, n_valid=n_valid, logits=s, m=m, l=l, rescale=rescale, acc=acc
+                )
 
         # A query that saw no key (and no sink) has l = 0 and outputs 0.
         o = torch.where(l[..., None] > 0, acc / l.clamp_min(1e-38)[..., None], 0.0)  # tour: softmax
@@ -225,6 +236,7 @@ def paged_attention_partitioned(
     v_scale: float = 1.0,
     compute_dtype: torch.dtype = torch.float32,
     partition_size: int = 512,
+    on_partition: Callable[..., None] | None = None,
 ) -> torch.Tensor:
     """Paged attention split over ``partition_size``-token key partitions (v2 kernel).
 
@@ -239,6 +251,8 @@ def paged_attention_partitioned(
             as :func:`paged_attention_loop`.
         partition_size: tokens per partition, a multiple of ``block_size`` (as vLLM's
             ``PARTITION_SIZE`` is).
+        on_partition: called per partition with keywords ``seq`` (b), ``first`` / ``last``
+            (its logical blocks, half-open), ``out`` ``[h, g, t, d]`` and ``lse`` ``[h, g, t]``.
 
     Returns:
         ``[T, H, D]`` in ``compute_dtype``.
@@ -285,6 +299,8 @@ def paged_attention_partitioned(
             )
             part_outs.append(o[:, 0])  # [h, g, t, d]
             part_lses.append(part_lse[:, 0])  # [h, g, t]
+            if on_partition is not None:
+                on_partition(seq=b, first=first, last=last, out=o[:, 0], lse=part_lse[:, 0])
         if sinks is not None:
             sink = sinks.to(compute_dtype).view(num_kv_heads, group, 1).expand(-1, -1, q_len)
             part_outs.append(torch.zeros_like(part_outs[0]))

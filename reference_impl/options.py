@@ -41,16 +41,21 @@ class KernelOptions:
 
     @classmethod
     def from_step(cls, record: StepRecord, spec: KVCacheSpec) -> KernelOptions:
-        """The options vLLM ran ``record`` with (the scales come from the trace's ``spec``)."""
+        """The options vLLM ran ``record`` with.
+
+        The scales are the record's (format 2: what the engine used that step), else the
+        trace's ``spec``'s. A ``logits_soft_cap`` of None (JSON null) is 0: vLLM's
+        ``FlashAttentionImpl`` turns None into 0, "no soft-cap" to flash-attn.
+        """
         return cls(
             scale=record.scale,
             causal=record.causal,
             window=(-1, -1) if record.sliding_window is None else (record.sliding_window[0], record.sliding_window[1]),
-            softcap=record.logits_soft_cap,
+            softcap=float(record.logits_soft_cap or 0.0),
             alibi_slopes=None if record.alibi_slopes is None else tuple(record.alibi_slopes),
             sinks=None if record.sinks is None else tuple(record.sinks),
-            k_scale=spec.k_scale,
-            v_scale=spec.v_scale,
+            k_scale=spec.k_scale if record.k_scale is None else float(record.k_scale),
+            v_scale=spec.v_scale if record.v_scale is None else float(record.v_scale),
         )
 
     def kwargs(self) -> dict[str, Any]:

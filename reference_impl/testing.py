@@ -58,11 +58,13 @@ FlashAttention's packed ``[nb, H_kv, bs, 2*D]`` cache with vLLM's strides::
 The verdict
 -----------
 The same bar vLLM's own output meets in ``pagedtrace replay`` (flash-attn's
-``hopper/test_flash_attn.py``): the kernel's output is compared with the fp64 reference,
-and may be at most ``TOL_K`` times as far from it as the same math run naively in the
-activation dtype, plus ``TOL_EPS``. The tolerance never depends on vLLM's output, so a
-wrong vLLM step cannot widen it; the distance from vLLM's captured output is reported
-alongside.
+``hopper/test_flash_attn.py``), head by head: the kernel's output is compared with the fp64
+reference, and may be at most ``TOL_K`` times as far from it as FlashAttention's rounding
+(emulated, :mod:`reference_impl.emulation`), plus a floor of one ``eps`` of the activation
+dtype at the head's largest value (:mod:`reference_impl.tolerances`). The tolerance never
+depends on vLLM's output, so a wrong vLLM step cannot widen it; the distance from vLLM's
+captured output is reported alongside. On an fp8 step (FA3's path) ``query`` is the
+quantised query dequantised to fp64 (``e4m3 * q_scale``).
 
 Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) only.
 """
@@ -84,7 +86,7 @@ from reference_impl import replay as _replay
 from reference_impl.common import FP8_STORAGE
 from reference_impl.loader import load_kernel
 from reference_impl.options import changes_nothing
-from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, compare
+from reference_impl.tolerances import TOL_K, TOLERANCE, bar_note, compare
 from tracer.format import CaseResult, StepRecord, Trace, TraceError, layer_index
 
 __all__ = [
@@ -133,13 +135,14 @@ class KernelCase:
     kwargs: Mapping[str, Any]  #: the step's keywords: ``KernelOptions.kwargs()``
     expected: torch.Tensor  #: ``[T, H, D]``: vLLM's captured output
     reference: torch.Tensor  #: ``[T, H, D]``: the reference kernel in fp64
-    baseline: torch.Tensor  #: ``[T, H, D]``: the reference's math in the activation dtype
+    baseline: torch.Tensor  #: ``[T, H, D]``: FlashAttention's rounding emulated, in the activation dtype
     num_tokens: int  #: rows compared: ``query_start_loc[-1]`` unless the capture is short
-    tol: float  #: allowed max abs error: ``tol_k * baseline_max_abs + tol_eps``
+    tol: float  #: the step's bar: ``tol_k * baseline_max_abs + tol_eps`` (the largest head bar)
     baseline_max_abs: float  #: max |baseline - reference| over the compared rows
     vllm_max_abs: float  #: max |expected - reference|: how far vLLM's own output is
     tol_k: float = TOL_K
-    tol_eps: float = TOL_EPS
+    tol_eps: float = 0.0  #: the step's floor: eps(activation dtype) * max|reference|
+    out_dtype: torch.dtype = torch.bfloat16  #: the activation dtype (sets the floor)
     physical_block_ids: tuple[int, ...] = ()  #: vLLM's block id of each cache row (the compact -> physical map)
     note: str = ""  #: what is odd about the step (blocks the table names that were not captured ...)
 
@@ -201,11 +204,11 @@ def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) ->
     if layout is None:
         layout = _replay.resolve_layout(trace, [record])
     tensors = trace.tensors(record)
-    inputs = _replay.step_inputs(record, tensors, spec, layout)
+    inputs = _replay.step_inputs(record, tensors, spec, layout, flash_attn_version=trace.run.flash_attn_version)
     reference, baseline = _replay.reference_outputs(inputs)
     num = inputs.num_tokens
     expected = tensors["output"]
-    verdict = compare(expected[:num], reference[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
+    verdict = compare(expected[:num], reference[:num], baseline[:num], k=TOL_K, dtype=inputs.out_dtype)
     return KernelCase(
         id=case_id(trace, record),
         trace=str(trace.path),
@@ -227,6 +230,8 @@ def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) ->
         tol=verdict["tol"],
         baseline_max_abs=verdict["baseline_max_abs"],
         vllm_max_abs=verdict["max_abs"],
+        tol_eps=verdict["floor"],
+        out_dtype=inputs.out_dtype,
         physical_block_ids=tuple(int(b) for b in tensors["kv_block_ids"].tolist()),
         note=inputs.note,
     )
@@ -358,7 +363,7 @@ def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
     num = case.num_tokens
     out = out[:num]
     reference = case.reference[:num]
-    verdict = compare(out, reference, case.baseline[:num], k=case.tol_k, eps=case.tol_eps)
+    verdict = compare(out, reference, case.baseline[:num], k=case.tol_k, dtype=case.out_dtype)
     err = (out.double() - reference).abs()
     nonfinite = int((~torch.isfinite(out)).sum())
     worst = None
@@ -372,6 +377,8 @@ def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
     vllm = float((out.double() - case.expected[:num].double()).abs().max()) if err.numel() else 0.0
     ok = bool(verdict["ok"]) and nonfinite == 0 and not math.isnan(max_abs)
     notes = [case.note] if case.note else []
+    if bar_note(verdict):
+        notes.append(bar_note(verdict))
     return CaseResult(
         id=case.id,
         kernel=name,
@@ -388,10 +395,11 @@ def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
         vllm_max_abs=vllm,
         vllm_ref_max_abs=case.vllm_max_abs,
         heads=tuple(float(h) for h in err.amax(dim=(0, 2)).tolist()) if err.numel() else (),
+        head_tols=tuple(verdict["per_head_tol"]),
         worst=worst,
         nonfinite=nonfinite,
         tol_k=case.tol_k,
-        tol_eps=case.tol_eps,
+        tol_eps=verdict["floor"],
         note="; ".join(notes),
     )
 
@@ -474,7 +482,7 @@ class KernelReport:
             "kernel": self.kernel,
             "trace": self.trace,
             "layout": self.layout,
-            "tolerance": {"k": TOL_K, "eps": TOL_EPS, "reference_dtype": str(REFERENCE_DTYPE).removeprefix("torch.")},
+            "tolerance": TOLERANCE.to_json(),
             "seconds": round(self.seconds, 3),
             "cases": [r.to_json() for r in self.results],
         }

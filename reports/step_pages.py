@@ -11,8 +11,16 @@ from dataclasses import dataclass
 
 from annotations.values import fmt_list
 from reports.common import Link, Row, Verdict, range_text, step_page
-from reports.verdicts import LayerVerdict, layer_verdicts, step_verdict
-from tracer.format import RunInfo, StepRecord, StepResult
+from reports.verdicts import (
+    NOT_CHECKED,
+    LayerVerdict,
+    MetadataRow,
+    layer_verdicts,
+    metadata_rows,
+    metadata_verdict,
+    step_verdict,
+)
+from tracer.format import MetadataCheck, RunInfo, StepRecord, StepResult
 
 #: Step pages are written for the first this-many request steps (``build_report``'s
 #: ``max_step_pages`` overrides it) ...
@@ -98,6 +106,9 @@ class StepPage:
     next: Link | None
     nav: tuple[Link, ...]
     replay_note: str = ""  #: shown when there are no verdicts: how to get them, or why there can be none
+    metadata: tuple[MetadataRow, ...] = ()  #: metadata checks, every layer of the step
+    metadata_verdict: Verdict = NOT_CHECKED
+    metadata_source: str = ""  #: where the metadata checks come from (``replay.json`` or computed now)
 
 
 def pages_for_steps(records: list[StepRecord], max_request_pages: int = MAX_REQUEST_PAGES) -> set[int]:
@@ -184,8 +195,10 @@ def step_view(
     prev: int | None,
     next_: int | None,
     nav: tuple[Link, ...],
+    metadata: Sequence[MetadataCheck] = (),
+    metadata_source: str = "",
 ) -> StepPage:
-    """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay verdicts."""
+    """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay and metadata verdicts."""
     bs = run.kv_cache.block_size if run.kv_cache else 16
     shared_set = record.shared_blocks
     written_offsets: dict[int, set[int]] = {}
@@ -241,6 +254,9 @@ def step_view(
         next=Link(step_page(next_), f"step {next_}") if next_ is not None else None,
         nav=nav,
         replay_note=NO_TENSORS_NOTE if record.tensors is None else "Not replayed (run pagedtrace replay on the trace).",
+        metadata=metadata_rows(metadata),
+        metadata_verdict=metadata_verdict(metadata),
+        metadata_source=metadata_source,
     )
 
 

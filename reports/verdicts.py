@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from annotations.values import fmt_list
 from reports.common import Row, Verdict
-from tracer.format import REPLAY, ReplayReport, StepResult, Trace, TraceError
+from tracer.format import REPLAY, MetadataCheck, ReplayReport, StepResult, Trace, TraceError
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,14 @@ class ReplayData:
     by_step: dict[int, list[StepResult]]  #: step -> its results, one per replayed layer
     checks: tuple[Row, ...]  #: one row per section besides ``steps`` (``write_path``, ``legacy``)
     problem: str = ""  #: why the file could not be used, if it could not
+    #: step -> its metadata checks (every layer), from ``replay.json``'s ``metadata`` section
+    metadata_by_step: dict[int, list[MetadataCheck]] = field(default_factory=dict)
 
 
 #: The verdict of a trace without a (usable) ``replay.json``.
 NOT_REPLAYED = Verdict("none", "not replayed")
+#: The metadata verdict of a step nothing checked (no KV-cache spec in the manifest).
+NOT_CHECKED = Verdict("none", "not checked")
 
 
 def _num(value: float) -> str:
@@ -74,10 +78,18 @@ def read_replay(trace: Trace) -> ReplayData:
     checks = tuple(
         Row(name, f"{sum(c.ok for c in results)} of {len(results)} ok" if results else "none")
         for name, results in report.sections()
-        if name != "steps"
+        # a replay.json from before metadata checks has none: no row rather than "none"
+        if name != "steps" and (results or name != "metadata")
     )
-    overall = Verdict("ok", "all replayed steps agree") if report.ok else Verdict("fail", "some steps disagree")
-    return ReplayData(True, overall, report.by_step(), checks)
+    if not report.steps:  # a metadata-only trace: judged on its metadata checks alone
+        overall = (
+            Verdict("ok", "metadata consistent (tensors not captured)")
+            if report.ok
+            else Verdict("fail", "metadata checks fail (tensors not captured)")
+        )
+    else:
+        overall = Verdict("ok", "all replayed steps agree") if report.ok else Verdict("fail", "some steps disagree")
+    return ReplayData(True, overall, report.by_step(), checks, metadata_by_step=report.metadata_by_step())
 
 
 def step_verdict(results: Sequence[StepResult]) -> Verdict:
@@ -107,3 +119,47 @@ def layer_verdicts(results: Sequence[StepResult]) -> tuple[LayerVerdict, ...]:
         )
         for r in results
     )
+
+
+@dataclass(frozen=True)
+class MetadataRow:
+    """One metadata check of one (step, layer), for a step page."""
+
+    layer: str
+    check: str  #: ``tracer.format.metadata.METADATA_CHECKS``
+    status: str  #: ``ok`` / ``fail``
+    text: str  #: e.g. ``ok (111 checked)`` or ``FAIL (3 problems of 111)``
+    note: str  #: what could not be compared (e.g. prompts unknown), or ""
+    problems: tuple[str, ...]  #: ``row 1, position 17, token 20: slot ...``, the first few
+
+
+def metadata_rows(checks: Sequence[MetadataCheck]) -> tuple[MetadataRow, ...]:
+    """The metadata checks of one step, ready to show: one row per (layer, check)."""
+    rows = []
+    for c in checks:
+        problems = tuple(
+            ", ".join(
+                f"{name} {value}"
+                for name, value in (("row", p.row), ("position", p.position), ("token", p.token))
+                if value is not None
+            )
+            + (": " if p.row is not None or p.position is not None or p.token is not None else "")
+            + p.message
+            for p in c.problems
+        )
+        more = c.num_problems - len(c.problems)
+        if more > 0:
+            problems += (f"… and {more} more",)
+        text = f"ok ({c.checked} checked)" if c.ok else f"FAIL ({c.num_problems} problem(s) of {c.checked})"
+        rows.append(MetadataRow(c.layer, c.check, _status(c.ok), text, c.note, problems))
+    return tuple(rows)
+
+
+def metadata_verdict(checks: Sequence[MetadataCheck]) -> Verdict:
+    """One verdict for a step's metadata checks (every layer)."""
+    if not checks:
+        return NOT_CHECKED
+    bad = [c for c in checks if not c.ok]
+    if not bad:
+        return Verdict("ok", f"metadata ok ({len(checks)} checks)")
+    return Verdict("fail", f"metadata FAIL ({', '.join(sorted({c.check for c in bad}))})")

@@ -15,7 +15,7 @@ common=(--model qwen2.5-7b-instruct --prompts 4 --prompt-len 8:24 --shared-prefi
 run() {  # name, extra args...
   local name=$1; shift
   local t0=$(date +%s)
-  ${PAGEDTRACE:-python3 -m pagedtrace} run -o "$OUT/$name" "${common[@]}" "$@" >"$OUT/$name.log" 2>&1
+  ${PAGEDTRACE:-python3 scripts/pagedtrace_run.py} run -o "$OUT/$name" "${common[@]}" "$@" >"$OUT/$name.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - t0 )) s"
   grep -E "Using FlashAttention|cudagraph|Traceback|Error" "$OUT/$name.log" | grep -v "^ " | head -5
 }

@@ -144,5 +144,5 @@ def test_head_size_not_compiled_falls_back():
 def test_bad_block_id_is_an_error_not_a_crash():
     query, key_cache, value_cache, table, lens, qsl = _batch(5, [1, 1], [40, 70])
     table[1, 2] = NUM_BLOCKS + 5  # inside row 1's used blocks (70 keys = 5 blocks)
-    with pytest.raises(ValueError, match=r"block_table\[1, 2\] = 45 is not a block"):
+    with pytest.raises(ValueError, match=r"block_table\[1\]\[2\] is 45: sequence 1 \(70 keys\) reads logical block 2"):
         compiled.paged_attention_compiled(query, key_cache, value_cache, table, lens, qsl, scale=0.1)

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from pagedtrace.cli import main
 from reference_impl.layouts import cpu_layout_for
-from reference_impl.replay import LAYOUT_CPU_AMX, TOL_EPS, TOL_K, ReplayReport, replay_trace
+from reference_impl.replay import LAYOUT_CPU_AMX, TOL_K, ReplayReport, replay_trace
 from tracer.format import StepRecord, Trace
 
 pytestmark = pytest.mark.engine
@@ -74,8 +74,10 @@ def test_untouched_trace_is_exactly_attention(trace, report):
     for step in report.steps:
         assert step.ok and not step.note
         assert 0 < step.max_abs <= step.tol
-        # The tolerance is derived, not chosen: k times the bf16 baseline's own error.
-        assert step.tol == pytest.approx(TOL_K * step.baseline_max_abs + TOL_EPS)
+        # The tolerance is derived, not chosen: k times the FA-rounding emulation's own error
+        # plus one eps of the activation dtype at the step's largest reference value.
+        floor = float(torch.finfo(getattr(torch, trace.run.model.dtype)).eps) * step.max_abs / step.max_rel
+        assert step.tol == pytest.approx(TOL_K * step.baseline_max_abs + floor)
         assert step.max_rel < 0.01
         assert [h.head for h in step.heads] == list(range(trace.run.model.num_attention_heads))
         assert all(h.ok and h.max_abs <= step.max_abs for h in step.heads)
@@ -285,7 +287,7 @@ def test_cli_exit_1_on_a_mismatch(cpu_trace, tmp_path):
     assert Trace.open(copy).read_json("replay.json")["ok"] is False
 
 
-def test_cli_exit_2_without_tensors(cpu_trace, tmp_path):
+def test_cli_judges_a_trace_without_tensors_on_its_metadata(cpu_trace, tmp_path):
     copy = _copy(cpu_trace, tmp_path)
     shutil.rmtree(copy / "tensors")
 
@@ -294,9 +296,8 @@ def test_cli_exit_2_without_tensors(cpu_trace, tmp_path):
 
     _rewrite_steps(copy, drop_tensors)
     code, out = _cli("replay", str(copy))
-    assert code == 2
-    assert out.strip().count("\n") == 0 and "Traceback" not in out
-    assert out.startswith("error:") and "no tensors" in out
+    assert code == 0 and "Traceback" not in out
+    assert "tensors were not captured" in out and "metadata consistent" in out
 
 
 def test_cli_exit_2_on_a_missing_tensor_file(cpu_trace, tmp_path):

@@ -3,18 +3,29 @@
 The hook (``tracer.hooks.Tracer._on_forward``) fills a :class:`Pending` with device-side
 clones and appends it; nothing here runs on the hot path. ``Pending.shape`` is called
 when the model runner's step returns: it copies to the host (the only host syncs),
-trims the block table to the blocks each request uses and builds the record.
+trims the block table to the blocks each request uses and builds the record. The layer's
+q/k/v scales (what FlashAttention's fp8 path is given as ``{q,k,v}_descale``) travel the same
+way: :func:`capture_scales` clones the device tensors in the hook, ``shape`` reads them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.format import StepRecord
 
-__all__ = ["Pending"]
+__all__ = ["Pending", "capture_scales", "dtype_name"]
+
+#: The attention layer's fp8 scales as ``StepRecord`` fields -> the layer attributes holding them:
+#: the device tensor FlashAttention is given as ``{q,k,v}_descale``, then the host float vLLM
+#: keeps beside it (set together by vLLM's ``set_default_quant_scales`` / ``calc_kv_scales``).
+SCALE_ATTRS = {
+    "q_scale": ("_q_scale", "_q_scale_float"),
+    "k_scale": ("_k_scale", "_k_scale_float"),
+    "v_scale": ("_v_scale", "_v_scale_float"),
+}
 
 
 @dataclass
@@ -29,10 +40,13 @@ class Pending:
     device_tensors: dict[str, Any]  #: clones on the device: metadata tensors, and the data when saved
     kv_cache: Any  #: the layer's cache tensor (not a copy)
     req_ids: tuple[str, ...]  #: one per request row; ``""`` where the runner gave none
+    #: ``capture_scales(layer)``: per scale field, a device clone or a host float
+    scales: dict[str, Any] = field(default_factory=dict)
 
     def shape(self) -> tuple[StepRecord, dict[str, Any] | None]:
         """Copy to the host; the record, and its tensors when this call saved them."""
         host = {k: v.to("cpu") for k, v in self.device_tensors.items()}
+        scales = {k: _scale_value(v) for k, v in self.scales.items()}
         seq_lens = [int(s) for s in host["seq_lens"].tolist()]
         block_size = int(self.kv_cache.shape[2])
         rows = host["block_table"].tolist()
@@ -50,6 +64,9 @@ class Pending:
             seq_lens=tuple(seq_lens),
             block_table=block_table,
             slot_mapping=tuple(int(x) for x in host["slot_mapping"].tolist()),
+            q_scale=scales.get("q_scale"),
+            k_scale=scales.get("k_scale"),
+            v_scale=scales.get("v_scale"),
             **self.metadata,
         )
         tensors = None
@@ -81,3 +98,39 @@ def _floats(tensor: Any) -> tuple[float, ...] | None:
     if tensor is None:
         return None
     return tuple(float(x) for x in tensor.detach().float().cpu().tolist())
+
+
+def capture_scales(layer: Any) -> dict[str, Any]:
+    """The layer's q/k/v scales, for the hook: device tensors cloned (no host sync), floats as they are.
+
+    FlashAttention reads the device tensors (``layer._q_scale.expand(...)`` as ``q_descale``), so
+    those are what the record should hold; vLLM may update them on the device (``calc_kv_scales``),
+    hence a clone per step rather than a read at start-up. A layer without a scale gives None.
+    """
+    out: dict[str, Any] = {}
+    for name, (tensor_attr, float_attr) in SCALE_ATTRS.items():
+        value: Any = getattr(layer, tensor_attr, None)
+        if hasattr(value, "detach"):
+            out[name] = value.detach().clone()
+        else:
+            value = getattr(layer, float_attr, None)
+            out[name] = float(value) if isinstance(value, (int, float)) else None
+    return out
+
+
+def dtype_name(tensor: Any) -> str:
+    """``torch.float8_e4m3fn`` -> ``float8_e4m3fn``: a tensor's dtype without a host sync."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _scale_value(value: Any) -> float | None:
+    """A captured scale as one float, at flush: a scalar, or a per-head tensor whose heads all agree.
+
+    Per-head scales that differ cannot be one ``StepRecord`` float: None (not recorded) then.
+    """
+    if value is None or isinstance(value, float):
+        return value
+    flat = value.detach().float().reshape(-1).cpu()
+    if flat.numel() == 0 or not bool((flat == flat[0]).all()):
+        return None
+    return float(flat[0])

@@ -16,8 +16,9 @@ from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from pagedtrace.commands import short_layer
+from pagedtrace.commands import literal, short_layer
 
 #: ``--kernel`` choices, as ``reference_impl.replay.KERNELS`` names them.
 KERNEL_CHOICES = ("fast", "loop", "partitioned", "compiled")
@@ -57,6 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Rerun each recorded step's attention from its captured query, KV blocks, block table, "
         "seq_lens and query_start_loc; compare with vLLM's output (tolerance relative to the same "
         "math in bf16), check the KV write path bit for bit and the legacy x-split layout. "
+        "Every record, tensors or not, also gets metadata checks (slots, lengths, block ids, shared "
+        "prefixes, flags); a trace without tensors is judged on those alone. "
         "Exit code 0: all match; 1: a mismatch; 2: the trace cannot be replayed.",
     )
     p.add_argument("trace", metavar="TRACE", help="trace directory (from `pagedtrace run`, tensors on)")
@@ -114,13 +117,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.device is not None:
         raise UsageError("--device applies to a MODULE:FUNCTION kernel only (the reference runs on the CPU)")
     trace = Trace.open(args.trace)
+    # With --json stdout holds the JSON and nothing else: progress and log lines go to stderr.
+    log_console = Console(stderr=True) if args.json else console
     with Progress(
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # names a path
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=console,
+        console=log_console,
         transient=True,
         disable=args.json or not console.is_terminal,
     ) as progress:
@@ -130,31 +135,49 @@ def run(args: argparse.Namespace, console: Console) -> int:
             progress.update(task, total=total, completed=done)
             if not result.ok:
                 progress.console.log(
-                    f"[red]mismatch[/] step {result.step} {result.layer}: "
-                    f"max abs {result.max_abs:.3g} > tol {result.tol:.3g}"
-                    + (f" ({result.note})" if result.note else "")
+                    Text.assemble(
+                        ("mismatch", "red"),
+                        f" step {result.step} {result.layer}: max abs {result.max_abs:.3g} > tol {result.tol:.3g}"
+                        + (f" ({result.note})" if result.note else ""),
+                    )
                 )
 
         try:
             report = replay_trace(trace, steps=args.steps, layers=args.layers, kernel=args.kernel, progress=on_step)
         except CompiledKernelError as exc:
             raise UsageError(f"{exc}; use --kernel fast") from exc
+    saved = False
     if args.save:
-        save_report(trace, report)
+        try:
+            save_report(trace, report)
+            saved = True
+        except OSError as exc:  # a read-only trace: the verdict stands, only the side file is lost
+            if not args.json:
+                console.print(Text.assemble(("warning:", "yellow"), f" replay.json not written: {exc}"), soft_wrap=True)
     if args.json:
         console.out(json.dumps(report.to_json(), indent=2), highlight=False)
         return 0 if report.ok else 1
-    console.print(build_replay_table(report))
-    if report.layout != report.recorded_layout:
+    if report.steps:
+        console.print(build_replay_table(report))
+    else:
+        console.print(build_metadata_table(report))
+    for line in metadata_problems(report):
+        console.print(line)
+    if report.steps and report.layout != report.recorded_layout:
         console.print(
-            f"[dim]KV blocks read as [bold]{report.layout}[/] (the manifest says "
-            f"{report.recorded_layout}; the recorded K/V rows are found in this packing)[/]"
+            Text.assemble(
+                "KV blocks read as ",
+                (str(report.layout), "bold"),
+                f" (the manifest says {report.recorded_layout}; the recorded K/V rows are found in this packing)",
+                style="dim",
+            )
         )
-    for line in report.skipped:
-        console.print(f"[dim]skipped: {line}[/]")
+    # A metadata-only trace skips every record: the summary says so once.
+    for skipped in report.skipped if report.steps else ():
+        console.print(literal(f"skipped: {skipped}", "dim"))
     console.print(_summary(report))
-    if args.save:
-        console.print(f"[dim]verdicts written to {trace.path / 'replay.json'}[/]")
+    if saved:
+        console.print(literal(f"verdicts written to {trace.path / 'replay.json'}", "dim"))
     return 0 if report.ok else 1
 
 
@@ -171,13 +194,13 @@ def _mark(ok: bool | None) -> str:
 def build_replay_table(report) -> Table:
     """One row per replayed (step, layer): errors, tolerance, heads, write path, legacy path."""
     table = Table(
-        title=f"replay ({report.kernel} kernel, KV layout {report.layout})",
+        title=literal(f"replay ({report.kernel} kernel, KV layout {report.layout})"),
         box=box.SIMPLE_HEAD,
         padding=(0, 0),
         collapse_padding=True,
     )
     # Short headers: the table must stay readable in an 80-column terminal.
-    for col in ("step", "layer", "reqs", "tok", "max abs", "max rel", "tol", "heads", "write", "legacy", "ok"):
+    for col in ("step", "layer", "reqs", "tok", "max abs", "max rel", "tol", "heads", "write", "legacy", "meta", "ok"):
         table.add_column(
             col,
             justify="right" if col in ("step", "reqs", "tok", "max abs", "max rel", "tol") else "left",
@@ -185,6 +208,7 @@ def build_replay_table(report) -> Table:
         )
     writes = {(w.step, w.layer): w for w in report.write_path}
     legacies = {(c.step, c.layer): c for c in report.legacy}
+    metadata = _metadata_by_record(report)
     for r in report.steps:
         write = writes.get((r.step, r.layer))
         legacy = legacies.get((r.step, r.layer))
@@ -194,10 +218,12 @@ def build_replay_table(report) -> Table:
             if write is None
             else (f"[green]{write.tokens}✓[/]" if write.ok else f"[bold red]{write.mismatches}/{write.tokens} bad[/]")
         )
-        verdict = r.ok and (write is None or write.ok) and (legacy is None or legacy.ok)
+        meta = metadata.get((r.step, r.layer), [])
+        meta_ok = None if not meta else all(c.ok for c in meta)
+        verdict = r.ok and (write is None or write.ok) and (legacy is None or legacy.ok) and meta_ok is not False
         table.add_row(
             str(r.step),
-            short_layer(r.layer),
+            literal(short_layer(r.layer)),
             str(r.num_reqs),
             str(r.num_tokens),
             _num(r.max_abs),
@@ -206,20 +232,88 @@ def build_replay_table(report) -> Table:
             f"{heads_ok}/{len(r.heads)}" if heads_ok == len(r.heads) else f"[red]{heads_ok}/{len(r.heads)}[/]",
             write_cell,
             _mark(None if legacy is None else legacy.ok),
+            _mark(meta_ok),
             _mark(verdict),
         )
     return table
 
 
+def _metadata_by_record(report) -> dict[tuple[int, str], list]:
+    out: dict[tuple[int, str], list] = {}
+    for c in report.metadata:
+        out.setdefault((c.step, c.layer), []).append(c)
+    return out
+
+
+def build_metadata_table(report) -> Table:
+    """One row per (step, layer), one column per metadata check: for a trace without tensors."""
+    from tracer.format.metadata import METADATA_CHECKS
+
+    table = Table(
+        title="metadata checks (tensors were not captured)", box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True
+    )
+    for col in ("step", "layer", "kind", *METADATA_CHECKS):
+        table.add_column(col, justify="right" if col == "step" else "left", no_wrap=True)
+    for (step, layer), checks in _metadata_by_record(report).items():
+        by_name = {c.check: c for c in checks}
+        cells = [
+            _mark(None)
+            if name not in by_name
+            else ("[green]ok[/]" if by_name[name].ok else f"[bold red]{by_name[name].num_problems} bad[/]")
+            for name in METADATA_CHECKS
+        ]
+        table.add_row(str(step), literal(short_layer(layer)), literal(checks[0].kind), *cells)
+    return table
+
+
+#: Metadata problems listed under the table, at most this many.
+MAX_METADATA_LINES = 20
+
+
+def metadata_problems(report) -> list[Text]:
+    """One line per metadata problem (step, layer, check, row, position: what differed), capped."""
+    lines = []
+    for c in report.metadata:
+        for p in c.problems:
+            where = "".join(
+                f" {name} {value}"
+                for name, value in (("row", p.row), ("pos", p.position), ("token", p.token))
+                if value is not None
+            )
+            lines.append(
+                Text.assemble(
+                    ("metadata FAIL", "bold red"),
+                    f" step {c.step} {short_layer(c.layer)} {c.check}{where}: {p.message}",
+                )
+            )
+    if len(lines) > MAX_METADATA_LINES:
+        lines = [*lines[:MAX_METADATA_LINES], literal(f"… {len(lines) - MAX_METADATA_LINES} more (see --json)", "dim")]
+    return lines
+
+
+def _metadata_summary(report) -> str:
+    records = len(_metadata_by_record(report))
+    bad = sum(not c.ok for c in report.metadata)
+    if bad:
+        return f"{bad}/{len(report.metadata)} metadata check(s) failed"
+    return f"metadata consistent on {records} record(s) ({len(report.metadata)} checks)"
+
+
 def _summary(report) -> str:
     n = len(report.steps)
+    if not n:
+        state = "[bold green]metadata ok[/]" if report.ok else "[bold red]MISMATCH[/]"
+        return (
+            f"{state}: tensors were not captured, so attention was not replayed; "
+            f"{_metadata_summary(report)}; {report.seconds:.2f} s"
+        )
     worst = max(report.steps, key=lambda r: r.max_abs / r.tol if r.tol > 0 else math.inf)
     if report.ok:
         return (
             f"[bold green]all {n} step(s) match[/]: vLLM's output is attention within tolerance "
             f"(worst: step {worst.step}, max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
             f"max rel {_num(worst.max_rel)}); {len(report.write_path)} write path(s) bit-exact, "
-            f"legacy x-split layout gives identical output; {report.seconds:.2f} s"
+            f"legacy x-split layout gives identical output; {_metadata_summary(report)}; {report.seconds:.2f} s"
         )
     bad_steps = sum(not r.ok for r in report.steps)
     bad_writes = sum(not w.ok for w in report.write_path)
@@ -227,7 +321,8 @@ def _summary(report) -> str:
     return (
         f"[bold red]MISMATCH[/]: {bad_steps}/{n} step(s) outside tolerance, "
         f"{bad_writes}/{len(report.write_path)} write path(s) wrong, "
-        f"{bad_legacy}/{len(report.legacy)} legacy round trip(s) differ; {report.seconds:.2f} s"
+        f"{bad_legacy}/{len(report.legacy)} legacy round trip(s) differ; {_metadata_summary(report)}; "
+        f"{report.seconds:.2f} s"
     )
 
 
@@ -250,7 +345,7 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
     trace = Trace.open(args.trace)
     with Progress(
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # names a path
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -264,9 +359,11 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
             progress.update(task, total=total, completed=done)
             if not result.ok and not args.json:
                 progress.console.log(
-                    f"[red]mismatch[/] step {result.step} {result.layer}: "
-                    f"max abs {_num(result.max_abs)} > tol {_num(result.tol)}"
-                    + (f" ({result.note})" if result.note else "")
+                    Text.assemble(
+                        ("mismatch", "red"),
+                        f" step {result.step} {result.layer}: max abs {_num(result.max_abs)} > tol {_num(result.tol)}"
+                        + (f" ({result.note})" if result.note else ""),
+                    )
                 )
 
         report = check_trace(
@@ -282,7 +379,7 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
 
 def build_kernel_table(report) -> Table:
     """One row per checked (step, layer): the kernel's error against the reference and vLLM's output."""
-    table = Table(title=f"{report.kernel} on {report.trace} (KV layout {report.layout})")
+    table = Table(title=literal(f"{report.kernel} on {report.trace} (KV layout {report.layout})"))
     for col in (
         "step",
         "layer",
@@ -312,7 +409,7 @@ def build_kernel_table(report) -> Table:
         worst = "[dim]-[/]" if r.worst is None else f"head {r.worst[1]} tok {r.worst[0]} req {r.worst[3]}"
         table.add_row(
             str(r.step),
-            r.layer,
+            literal(r.layer),
             str(r.num_reqs),
             str(r.num_tokens),
             _num(r.max_abs),
@@ -326,17 +423,18 @@ def build_kernel_table(report) -> Table:
     return table
 
 
-def _kernel_summary(report) -> str:
+def _kernel_summary(report) -> Text:
+    # Text, not markup: the kernel's name and the failure message are the user's and the trace's.
     n = len(report.results)
     if report.ok:
         worst = max(report.results, key=lambda r: r.max_abs / r.tol if r.tol > 0 else math.inf)
-        return (
-            f"[bold green]{report.kernel} matches vLLM on all {n} step(s)[/] "
-            f"(worst: step {worst.step}, max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
-            f"max rel {_num(worst.max_rel)}); {report.seconds:.2f} s"
+        return Text.assemble(
+            (f"{report.kernel} matches vLLM on all {n} step(s)", "bold green"),
+            f" (worst: step {worst.step}, max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
+            f"max rel {_num(worst.max_rel)}); {report.seconds:.2f} s",
         )
     bad = [r for r in report.results if not r.ok]
-    return (
-        f"[bold red]MISMATCH[/]: {len(bad)}/{n} step(s) outside tolerance; {report.seconds:.2f} s\n"
-        f"first: {bad[0].message()}"
+    return Text.assemble(
+        ("MISMATCH", "bold red"),
+        f": {len(bad)}/{n} step(s) outside tolerance; {report.seconds:.2f} s\nfirst: {bad[0].message()}",
     )

@@ -8,9 +8,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from pagedtrace.commands import short_layer
-from tracer.format import Trace, parse_steps
+from pagedtrace.commands import literal, short_layer
+from tracer.format import Trace, TraceError, parse_steps
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -81,6 +82,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="use CUDA graphs in this mode (e.g. PIECEWISE, FULL_AND_PIECEWISE); default: eager",
     )
     p.add_argument("--multiprocess", action="store_true", help="run vLLM's engine core in its own process")
+    p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype, e.g. fp8 (default: %(default)s)")
+    p.add_argument(
+        "--flash-attn-version",
+        type=int,
+        choices=(2, 3, 4),
+        default=None,
+        help="FlashAttention version on CUDA (attention_config); default: vLLM's choice (FA3 on Hopper)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens the scheduler puts in one step; below the prompt length it splits prefills (chunked prefill)",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="turn vLLM's prefix caching off (to diff against a run with it on)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.set_defaults(func=run)
 
@@ -114,10 +136,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
         budget_mb=args.budget_mb,
         multiprocess=args.multiprocess,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        prefix_caching=args.prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
+        flash_attn_version=args.flash_attn_version,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     with Progress(
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # the model name is the user's text
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -141,21 +167,57 @@ def run(args: argparse.Namespace, console: Console) -> int:
         except (ValueError, FileExistsError, SessionError) as exc:
             raise UsageError(str(exc)) from None
     progress.console.log(f"engine start {result.engine_start_s:.1f} s, generation {result.generate_s:.1f} s")
-    trace = Trace.open(out)
-    console.print(build_summary_table(trace))
-    console.print(build_kv_table(trace))
+    # The tokens first: they are the session's result even when the trace could not be saved.
+    console.print(build_tokens_table(result))
+    for warning in result.warnings:
+        console.print(Text.assemble(("warning:", "yellow"), " ", warning), soft_wrap=True)
+    problem = result.trace_error
+    trace = None
+    try:
+        trace = Trace.open(out, strict=problem is None)
+    except TraceError as exc:
+        problem = problem or str(exc)
+    if trace is not None:
+        console.print(build_summary_table(trace))
+        console.print(build_kv_table(trace))
+    if problem:
+        kept = f"; what was written opens with strict=False ({len(trace.records)} records)" if trace else ""
+        message = f"the trace is incomplete: {problem.removeprefix('pagedtrace: ')}{kept}"
+        console.print(Text.assemble(("warning:", "bold yellow"), " ", message), soft_wrap=True)
+        return 2  # the -o directory or its disk: the user's to fix (EXIT_CODES); the tokens are above
     console.print(
-        f"trace written to [bold]{out}[/]  (next: pagedtrace replay {out}; pagedtrace report {out} -o report)"
+        Text.assemble(
+            "trace written to ",
+            (str(out), "bold"),
+            f"  (next: pagedtrace replay {out}; pagedtrace report {out} -o report)",
+        )
     )
     return 0
 
 
+#: Output token ids shown per request; the rest are counted.
+MAX_SHOWN_TOKENS = 16
+
+
+def build_tokens_table(result) -> Table:
+    """The generated token ids per prompt (``SessionResult.outputs``)."""
+    table = Table(title="generated tokens (greedy)", show_lines=False)
+    table.add_column("prompt", justify="right")
+    table.add_column("prompt tokens", justify="right")
+    table.add_column("output token ids")
+    for i, (prompt, output) in enumerate(zip(result.prompts, result.outputs, strict=True)):
+        shown = " ".join(map(str, output[:MAX_SHOWN_TOKENS]))
+        more = f" … (+{len(output) - MAX_SHOWN_TOKENS})" if len(output) > MAX_SHOWN_TOKENS else ""
+        table.add_row(str(i), str(len(prompt)), shown + more)
+    return table
+
+
 def build_summary_table(trace: Trace) -> Table:
     """Steps by kind, requests, blocks in use and shared blocks."""
-    table = Table(title=f"trace {trace.path}", show_lines=False)
+    table = Table(title=literal(f"trace {trace.path}"), show_lines=False)
     for col in ("step", "kind", "layer", "reqs", "tokens", "seq_lens", "blocks in use", "shared", "tensors"):
         table.add_column(col, justify="right" if col in ("step", "reqs", "tokens", "blocks in use") else "left")
-    rows: list[tuple[int, list[str]]] = []
+    rows: list[tuple[int, list[str | Text]]] = []
     for r in trace.records:
         used = {b for row in r.block_table for b in row}
         seq = ",".join(map(str, r.seq_lens[:6])) + ("…" if len(r.seq_lens) > 6 else "")
@@ -165,8 +227,8 @@ def build_summary_table(trace: Trace) -> Table:
                 r.step,
                 [
                     str(r.step),
-                    r.kind,
-                    short_layer(r.layer),
+                    literal(r.kind),
+                    literal(short_layer(r.layer)),
                     str(r.num_reqs),
                     str(r.num_actual_tokens),
                     seq,
@@ -182,11 +244,11 @@ def build_summary_table(trace: Trace) -> Table:
                 g.step,
                 [
                     str(g.step),
-                    g.kind,
+                    literal(g.kind),
                     "[dim](not seen)[/]",
                     "-",
                     str(g.num_tokens or "-"),
-                    f"[dim]{g.reason}[/]",
+                    literal(g.reason, "dim"),
                     "-",
                     "-",
                     "-",
@@ -204,22 +266,26 @@ def build_kv_table(trace: Trace) -> Table:
     table = Table(title="engine and KV cache", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
-    table.add_row("vLLM / torch", f"{run.vllm_version} / {run.torch_version}")
-    table.add_row("device", f"{run.device} ({run.device_name})")
+    # Every value comes from the manifest: literal, never markup.
+    table.add_row("vLLM / torch", literal(f"{run.vllm_version} / {run.torch_version}"))
+    table.add_row("device", literal(f"{run.device} ({run.device_name})"))
     table.add_row(
-        "attention", run.attention_backend + (f" (FA{run.flash_attn_version})" if run.flash_attn_version else "")
+        "attention",
+        literal(run.attention_backend + (f" (FA{run.flash_attn_version})" if run.flash_attn_version else "")),
     )
-    table.add_row("cudagraph mode", run.cudagraph_mode)
+    table.add_row("cudagraph mode", literal(run.cudagraph_mode))
     if run.model:
         m = run.model
         table.add_row(
             "model",
-            f"{m.name}: {m.num_layers} layers, {m.num_attention_heads} heads / "
-            f"{m.num_kv_heads} KV heads, D={m.head_size}, {m.dtype}; weights: {m.weights}",
+            literal(
+                f"{m.name}: {m.num_layers} layers, {m.num_attention_heads} heads / "
+                f"{m.num_kv_heads} KV heads, D={m.head_size}, {m.dtype}; weights: {m.weights}"
+            ),
         )
     kv = run.kv_cache
     if kv:
-        table.add_row("kv_cache shape", f"{kv.shape} {kv.dtype}, strides {kv.stride}")
-        table.add_row("layout", f"{kv.layout}: physically {kv.physical_order}")
-        table.add_row("blocks", f"{kv.num_blocks} × {kv.block_size} tokens")
+        table.add_row("kv_cache shape", literal(f"{kv.shape} {kv.dtype}, strides {kv.stride}"))
+        table.add_row("layout", literal(f"{kv.layout}: physically {kv.physical_order}"))
+        table.add_row("blocks", literal(f"{kv.num_blocks} × {kv.block_size} tokens"))
     return table

@@ -3,9 +3,12 @@
 * :mod:`~tracer.format.version` -- pagedtrace's version, ``FORMAT_VERSION`` and its history;
 * :mod:`~tracer.format.records` -- the records a trace is made of (manifest, steps, gaps);
 * :mod:`~tracer.format.store` -- the trace directory: ``TraceWriter`` and ``Trace``;
+* :mod:`~tracer.format.schema` -- the checks every record passes on load (types, ranges, consistency);
+* :mod:`~tracer.format.reading` -- reading trace files as untrusted input (regular files, bounded);
 * :mod:`~tracer.format.sources` -- the vLLM source files a trace keeps;
 * :mod:`~tracer.format.verdicts` -- replay's verdicts (``replay.json``), typed both ways;
 * :mod:`~tracer.format.layouts` -- the KV-cache layout registry and its geometry;
+* :mod:`~tracer.format.metadata` -- metadata verdicts: slots, lengths, blocks, flags (no tensors);
 * :mod:`~tracer.format.selection` -- ``--steps`` / ``--layers`` parsing and matching.
 
 ``tracer`` (the hooks), ``reference_impl``, ``annotations``, ``reports`` and the CLI
@@ -64,6 +67,8 @@ from tracer.format.verdicts import (
     CaseResult,
     HeadResult,
     LegacyCheck,
+    MetadataCheck,
+    MetadataProblem,
     ReplayReport,
     StepResult,
     Tolerance,
@@ -98,6 +103,8 @@ __all__ = [
     "KVCacheSpec",
     "Layout",
     "LegacyCheck",
+    "MetadataCheck",
+    "MetadataProblem",
     "ModelSummary",
     "ReplayReport",
     "RunInfo",

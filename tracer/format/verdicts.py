@@ -29,6 +29,8 @@ __all__ = [
     "CaseResult",
     "HeadResult",
     "LegacyCheck",
+    "MetadataCheck",
+    "MetadataProblem",
     "ReplayReport",
     "StepResult",
     "Tolerance",
@@ -80,24 +82,41 @@ def _object(value: Any, owner: str) -> Mapping[str, Any]:
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How the bar was set: ``k * err(baseline) + eps`` against a reference in ``reference_dtype``."""
+    """How the bar was set: ``k * err(baseline) + floor`` against a reference in ``reference_dtype``.
+
+    ``emulation`` names the baseline (e.g. ``flash-attention-rounding``) and ``floor`` says
+    how the floor was derived. A ``replay.json`` written before they existed reads back with
+    them empty: its bar was ``k * err(same math in the activation dtype) + eps``.
+    """
 
     k: float  #: multiple of the low-precision baseline's error
-    eps: float  #: absolute floor
+    eps: float  #: absolute floor (0 when the floor is relative, see ``floor``)
     reference_dtype: str  #: precision of the reference, e.g. ``float64``
+    emulation: str = ""  #: name of the low-precision baseline; "" = same math in the activation dtype
+    emulation_description: str = ""  #: what the baseline rounds, in words
+    floor: str = ""  #: the floor rule, in words; "" = the absolute ``eps``
 
     def to_json(self) -> dict[str, Any]:
         """``replay.json``'s ``tolerance`` object."""
-        return {"k": self.k, "eps": self.eps, "reference_dtype": self.reference_dtype}
+        return {
+            "k": self.k,
+            "eps": self.eps,
+            "reference_dtype": self.reference_dtype,
+            "emulation": self.emulation,
+            "emulation_description": self.emulation_description,
+            "floor": self.floor,
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> Tolerance:
-        """Read :meth:`to_json`'s output; a malformed object is a ``TraceError``."""
-        d = _object(data, "tolerance")
+        """Read :meth:`to_json`'s output (older files lack the text fields); malformed is a ``TraceError``."""
+        d, o = _object(data, "tolerance"), "tolerance"
+        text = {n: _field(d, n, str, o) for n in ("emulation", "emulation_description", "floor") if n in d}
         return cls(
-            k=_float(d, "k", "tolerance"),
-            eps=_float(d, "eps", "tolerance"),
-            reference_dtype=_field(d, "reference_dtype", str, "tolerance"),
+            k=_float(d, "k", o),
+            eps=_float(d, "eps", o),
+            reference_dtype=_field(d, "reference_dtype", str, o),
+            **text,
         )
 
 
@@ -106,9 +125,10 @@ class HeadResult:
     """Attention error of one query head in one (step, layer)."""
 
     head: int  #: 0-based query head
-    ok: bool  #: ``max_abs <= tol`` of its step
+    ok: bool  #: ``max_abs <= tol`` (this head's bar; older files: its step's)
     max_abs: float  #: max |vLLM - reference| over this head's tokens and dims
     max_rel: float  #: ``max_abs`` over max |reference| of this head
+    tol: float | None = None  #: this head's bar; None in a ``replay.json`` from before per-head bars
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (non-finite errors as null)."""
@@ -117,17 +137,19 @@ class HeadResult:
             "ok": self.ok,
             "max_abs": finite_or_none(self.max_abs),
             "max_rel": finite_or_none(self.max_rel),
+            "tol": None if self.tol is None else finite_or_none(self.tol),
         }
 
     @classmethod
     def from_json(cls, data: Any) -> HeadResult:
-        """Read :meth:`to_json`'s output."""
+        """Read :meth:`to_json`'s output (``tol`` may be absent: older files)."""
         d = _object(data, "head result")
         return cls(
             head=_field(d, "head", int, "head result"),
             ok=_field(d, "ok", bool, "head result"),
             max_abs=_float(d, "max_abs", "head result"),
             max_rel=_float(d, "max_rel", "head result"),
+            tol=_float(d, "tol", "head result") if d.get("tol") is not None else None,
         )
 
 
@@ -272,6 +294,83 @@ class LegacyCheck:
         )
 
 
+@dataclass(frozen=True)
+class MetadataProblem:
+    """One thing a metadata check found wrong: where (row, position, token) and what differed."""
+
+    message: str  #: what differed, e.g. ``slot 113, expected 112 = block 7 * 16 + 0``
+    row: int | None = None  #: 0-based block-table row (request), when the problem has one
+    position: int | None = None  #: 0-based token position in that row's sequence
+    token: int | None = None  #: 0-based index among the step's query tokens (``slot_mapping``)
+
+    def to_json(self) -> dict[str, Any]:
+        """One entry of a metadata check's ``problems``."""
+        return {"message": self.message, "row": self.row, "position": self.position, "token": self.token}
+
+    @classmethod
+    def from_json(cls, data: Any) -> MetadataProblem:
+        """Read :meth:`to_json`'s output."""
+        d, o = _object(data, "metadata problem"), "metadata problem"
+        optional = (int, type(None))
+        return cls(
+            message=_field(d, "message", str, o),
+            row=_field(d, "row", optional, o),
+            position=_field(d, "position", optional, o),
+            token=_field(d, "token", optional, o),
+        )
+
+
+@dataclass(frozen=True)
+class MetadataCheck:
+    """One metadata check of one (step, layer), made from the record alone (no tensors needed).
+
+    ``check`` names what was compared (``tracer.format.metadata.METADATA_CHECKS``):
+    ``lengths`` (seq_lens / query_start_loc), ``slots`` (slot_mapping against the block
+    table), ``blocks`` (ids inside the pool), ``shared`` (a shared block holds the same
+    tokens), ``flags`` (causal, window, soft-cap, heads against the model config).
+    """
+
+    step: int
+    layer: str
+    kind: str  #: ``StepRecord.kind``
+    check: str  #: one of ``METADATA_CHECKS``
+    ok: bool
+    checked: int  #: items compared (tokens, rows, blocks, flags)
+    num_problems: int = 0  #: every problem found; ``problems`` keeps the first few
+    problems: tuple[MetadataProblem, ...] = ()
+    note: str = ""  #: what could not be compared and why (e.g. ``prompts unknown``)
+
+    def to_json(self) -> dict[str, Any]:
+        """One entry of ``replay.json``'s ``metadata``."""
+        return {
+            "step": self.step,
+            "layer": self.layer,
+            "kind": self.kind,
+            "check": self.check,
+            "ok": self.ok,
+            "checked": self.checked,
+            "num_problems": self.num_problems,
+            "problems": [p.to_json() for p in self.problems],
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> MetadataCheck:
+        """Read :meth:`to_json`'s output."""
+        d, o = _object(data, "metadata check"), "metadata check"
+        return cls(
+            step=_field(d, "step", int, o),
+            layer=_field(d, "layer", str, o),
+            kind=_field(d, "kind", str, o),
+            check=_field(d, "check", str, o),
+            ok=_field(d, "ok", bool, o),
+            checked=_field(d, "checked", int, o),
+            num_problems=_field(d, "num_problems", int, o),
+            problems=_list(d, "problems", o, MetadataProblem.from_json),
+            note=_field(d, "note", str, o),
+        )
+
+
 #: What a version-1 ``replay.json`` says of its skipped records (it kept only their count).
 V1_SKIPPED = "reason not kept (replay.json of format version 1)"
 
@@ -287,22 +386,39 @@ class ReplayReport:
     steps: tuple[StepResult, ...]
     write_path: tuple[WriteCheck, ...]
     legacy: tuple[LegacyCheck, ...]
+    #: metadata checks of every selected record, tensors or not (absent from older files: empty)
+    metadata: tuple[MetadataCheck, ...] = ()
     skipped: tuple[str, ...] = ()  #: selected records that could not be replayed, and why
     seconds: float = 0.0  #: wall time of the replay
     format_version: int = FORMAT_VERSION  #: trace format version this file was written with
 
     @property
     def ok(self) -> bool:
-        """True when at least one step was replayed and nothing mismatched."""
-        return bool(self.steps) and all(r.ok for r in self.checks())
+        """True when something was judged (a replayed step or a metadata check) and nothing failed.
 
-    def checks(self) -> tuple[StepResult | WriteCheck | LegacyCheck, ...]:
+        A metadata-only trace (no tensors captured) is judged on its metadata checks alone.
+        """
+        return bool(self.steps or self.metadata) and all(r.ok for r in self.checks())
+
+    def checks(self) -> tuple[StepResult | WriteCheck | LegacyCheck | MetadataCheck, ...]:
         """Every check of every kind, steps first."""
-        return (*self.steps, *self.write_path, *self.legacy)
+        return (*self.steps, *self.write_path, *self.legacy, *self.metadata)
 
     def sections(self) -> tuple[tuple[str, tuple[Any, ...]], ...]:
         """``(name, checks)`` per kind of check, in ``replay.json``'s order."""
-        return (("steps", self.steps), ("write_path", self.write_path), ("legacy", self.legacy))
+        return (
+            ("steps", self.steps),
+            ("write_path", self.write_path),
+            ("legacy", self.legacy),
+            ("metadata", self.metadata),
+        )
+
+    def metadata_by_step(self) -> dict[int, list[MetadataCheck]]:
+        """Metadata checks grouped by step index (every check of every recorded layer)."""
+        out: dict[int, list[MetadataCheck]] = {}
+        for c in self.metadata:
+            out.setdefault(c.step, []).append(c)
+        return out
 
     def by_step(self) -> dict[int, list[StepResult]]:
         """Attention results grouped by step index (one per replayed layer)."""
@@ -324,6 +440,7 @@ class ReplayReport:
             "steps": [r.to_json() for r in self.steps],
             "write_path": [r.to_json() for r in self.write_path],
             "legacy": [r.to_json() for r in self.legacy],
+            "metadata": [c.to_json() for c in self.metadata],
             "skipped": list(self.skipped),
         }
 
@@ -350,6 +467,8 @@ class ReplayReport:
             steps=_list(d, "steps", o, StepResult.from_json),
             write_path=_list(d, "write_path", o, WriteCheck.from_json),
             legacy=_list(d, "legacy", o, LegacyCheck.from_json),
+            # Files written before metadata checks existed have no such section.
+            metadata=_list(d, "metadata", o, MetadataCheck.from_json) if "metadata" in d else (),
             skipped=skipped,
             seconds=_float(d, "seconds", o),
             format_version=version,
@@ -369,6 +488,7 @@ class CaseResult(AttentionVerdict):
     vllm_max_abs: float  #: max |out - vLLM's captured output|
     vllm_ref_max_abs: float  #: max |vLLM's output - fp64 reference|, for scale
     heads: tuple[float, ...] = ()  #: per query head: max |out - reference|
+    head_tols: tuple[float, ...] = ()  #: per query head: its bar (empty: every head is held to ``tol``)
     worst: tuple[int, int, int, int] | None = None  #: ``(token, head, dim, request)`` of the largest error, 0-based
     nonfinite: int = 0  #: NaN / inf values among the compared outputs
     tol_k: float = 2.0
@@ -377,8 +497,9 @@ class CaseResult(AttentionVerdict):
 
     @property
     def bad_heads(self) -> tuple[int, ...]:
-        """Query heads whose max error exceeds the tolerance (NaN counts as bad)."""
-        return tuple(h for h, err in enumerate(self.heads) if not err <= self.tol)
+        """Query heads whose max error exceeds their bar (NaN counts as bad)."""
+        tols = self.head_tols if len(self.head_tols) == len(self.heads) else (self.tol,) * len(self.heads)
+        return tuple(h for h, (err, tol) in enumerate(zip(self.heads, tols, strict=True)) if not err <= tol)
 
     @property
     def worst_head(self) -> int | None:
@@ -397,8 +518,8 @@ class CaseResult(AttentionVerdict):
             cmp = "<=" if self.max_abs <= self.tol else ">"
             lines.append(
                 f"  max abs error {_num(self.max_abs)} {cmp} tolerance {_num(self.tol)} "
-                f"(= {_num(self.tol_k)} x {_num(self.baseline_max_abs)}, the naive low-precision "
-                f"error, + {_num(self.tol_eps)}); max rel {_num(self.max_rel)}"
+                f"(= {_num(self.tol_k)} x {_num(self.baseline_max_abs)}, the error of the low-precision "
+                f"baseline, + a floor of {_num(self.tol_eps)}); max rel {_num(self.max_rel)}"
             )
         if self.nonfinite:
             lines.append(f"  {self.nonfinite} NaN/inf value(s) in the output")
@@ -430,6 +551,7 @@ class CaseResult(AttentionVerdict):
             "vllm_max_abs": f(self.vllm_max_abs),
             "vllm_ref_max_abs": f(self.vllm_ref_max_abs),
             "heads": [f(h) for h in self.heads],
+            "head_tols": [f(h) for h in self.head_tols],
             "bad_heads": list(self.bad_heads),
             "worst": None
             if self.worst is None
@@ -452,6 +574,7 @@ class CaseResult(AttentionVerdict):
             vllm_max_abs=_float(d, "vllm_max_abs", o),
             vllm_ref_max_abs=_float(d, "vllm_ref_max_abs", o),
             heads=_list(d, "heads", o, lambda h: math.nan if h is None else float(h)),
+            head_tols=tuple(math.nan if h is None else float(h) for h in d.get("head_tols", [])),
             worst=None
             if worst is None
             else tuple(_field(worst, k, int, o) for k in ("token", "head", "dim", "request")),

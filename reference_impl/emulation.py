@@ -1,0 +1,205 @@
+"""FlashAttention's rounding, emulated: the low-precision baseline the bar is made of.
+
+:func:`emulate_flash_attention` computes attention the way FlashAttention 2/3 round it,
+from the same varlen batch the reference forms take (:mod:`reference_impl.kernel`)::
+
+    Q, K, V    the kernel's inputs: the activation dtype (bf16/fp16), or fp8 e4m3 bytes
+               whose descale factors are applied to the fp32 scores / output (FA3's fp8 path)
+    S = Q K^T  products exact, sums in fp32 (the tensor cores' fp32 accumulator)
+    scale, soft-cap, ALiBi, mask
+               fp32; the soft-cap's tanh rounded to 11 significant bits, the accuracy of
+               ``tanh.approx.f32`` that FA's ``cutlass::fast_tanh`` compiles to (PTX ISA:
+               max relative error ~2^-11)
+    softmax    fp32; the row sum is taken over the unrounded fp32 P (FA's ``row_sum``)
+    P          rounded to the P·V operand dtype before P·V: the activation dtype, or e4m3
+               after scaling by 2^8 (FA3's ``Max_offset = 8`` for fp8, to use e4m3's range)
+    P·V        fp32 accumulation; out = acc / row_sum (× v_descale for fp8)
+    output     rounded to the activation dtype
+
+The softmax is exact (the final row max), not online per key block as the kernel runs it.
+FA's key-block size (``kBlockN``), its split-KV count and GQA packing depend on the head
+size, the GPU and a runtime heuristic that the trace does not record, so an online
+emulation would reproduce the tiling of *a* kernel, not of the one that ran. What the bar
+needs is the size of the rounding, and that does not depend on the tiling: P is rounded
+relative to whatever max it is measured from (bf16 / e4m3 relative error is the same at
+every exponent), and the rescaling between blocks is fp32. The kernel's own realisation of
+the same rounding differs element by element; ``reference_impl.tolerances.TOL_K`` covers that.
+
+The emulation is its own form (a per-sequence gather, chunked over queries): the bar does
+not depend on which reference form produced the fp64 answer.
+
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from reference_impl.common import FP8_STORAGE, cdiv, check_args
+from reference_impl.gathered import visibility
+
+__all__ = [
+    "EMULATION_DESCRIPTION",
+    "EMULATION_NAME",
+    "FP8_MAX_OFFSET",
+    "FP8_QUERY_DTYPES",
+    "dequantize_query",
+    "emulate_flash_attention",
+    "quantize_query",
+]
+
+#: Name of the emulation, as ``replay.json``'s ``tolerance`` records it.
+EMULATION_NAME = "flash-attention-rounding"
+
+#: One line saying what it rounds, for ``replay.json`` and the report.
+EMULATION_DESCRIPTION = (
+    "FlashAttention's rounding: Q/K/V in the kernel's input dtype (fp8 with descales), "
+    "S = QK^T, scale, soft-cap (tanh to 11 bits, as tanh.approx.f32), mask and softmax in fp32, "
+    "P rounded to the P.V operand dtype (e4m3 x 2^8 for fp8) with the row sum in fp32, "
+    "P.V accumulated in fp32, output rounded to the activation dtype"
+)
+
+#: FA3's fp8 softmax subtracts 8 from the log2 max: P lies in [0, 2^8] before it is rounded to e4m3.
+FP8_MAX_OFFSET = 8
+
+#: Query dtypes (by name) that mean vLLM quantised the query for FA3's fp8 path.
+FP8_QUERY_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz")
+
+#: Significant bits of ``tanh.approx.f32`` (max relative error ~2^-11): the fp16 significand.
+_TANH_DTYPE = torch.float16
+
+#: Logits held at once (fp32): the query chunk of a sequence is cut to stay under this.
+_MAX_SCORE_ELEMS = 1 << 24
+
+
+def quantize_query(query: torch.Tensor, q_scale: float) -> torch.Tensor:
+    """The query as vLLM quantises it for FA3's fp8 path (``QuantFP8``, static per-tensor).
+
+    ``clamp(query.float() * (1 / q_scale), -448, 448).to(float8_e4m3fn)``, as
+    ``QuantFP8.forward_native`` does (``Attention.forward`` calls it with ``layer._q_scale``).
+    """
+    fp8 = torch.float8_e4m3fn
+    limit = torch.finfo(fp8).max
+    inverse = torch.tensor(q_scale, dtype=torch.float32).reciprocal()
+    return (query.to(torch.float32) * inverse).clamp(-limit, limit).to(fp8)
+
+
+def dequantize_query(query: torch.Tensor, q_scale: float) -> torch.Tensor:
+    """An fp8 query as the values attention means: ``e4m3 * q_scale``, exact in fp64."""
+    return query.to(torch.float64) * q_scale
+
+
+def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` (round to nearest even) and brought back to fp32."""
+    return x if dtype == torch.float32 else x.to(dtype).to(torch.float32)
+
+
+def _read(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Sequence's ``[s, H_kv, D]`` tokens as stored (fp8 bytes viewed as e4m3)."""
+    if cache.dtype == torch.uint8:
+        cache = cache.view(torch.float8_e4m3fn)
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def emulate_flash_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    q_scale: float = 1.0,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Attention rounded as FlashAttention rounds it (see the module docstring).
+
+    Args:
+        query: ``[T, H, D]``: the activation dtype, or ``float8_e4m3fn`` (FA3's fp8 path;
+            then the caches must be fp8 and ``q_scale`` is the query's descale).
+        key_cache, value_cache: ``[nb, bs, H_kv, D]``: the activation dtype, or fp8
+            (``uint8`` / ``float8_e4m3fn``) with ``k_scale`` / ``v_scale``. An fp8 cache
+            read with a non-fp8 query is dequantised and rounded to the query's dtype (what
+            the kernels that take it, e.g. vLLM's Triton attention, do).
+        block_table, seq_lens, query_start_loc, scale, causal, window, softcap,
+        alibi_slopes, sinks: as :func:`reference_impl.kernel.paged_attention_loop`.
+        out_dtype: the activation dtype the output is rounded to.
+
+    Returns:
+        ``[T, H, D]`` in ``out_dtype``; rows of sequences without queries are 0.
+
+    Raises:
+        ValueError: the batch is malformed (:func:`reference_impl.common.check_args`), or
+            an fp8 query comes with a cache that is not fp8.
+    """
+    check_args(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+    fp8_cache = key_cache.dtype in FP8_STORAGE
+    if fp8_query and not fp8_cache:
+        raise ValueError(f"an fp8 query needs an fp8 KV cache (FA3's fp8 path); the cache is {key_cache.dtype}")
+    num_tokens, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    # The P.V operand dtype: e4m3 on the fp8 path, else the dtype Q/K/V enter the kernel in.
+    element = query.dtype if query.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    # FA folds the descales into the softmax scale (and the soft-cap) and applies v_descale last.
+    score_scale = scale * (q_scale * k_scale if fp8_query else 1.0)
+    p_offset = float(2**FP8_MAX_OFFSET) if fp8_query else 1.0
+    out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float32)
+
+    for b in range(seq_lens.shape[0]):
+        q_start, q_end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        seq_len, q_len = int(seq_lens[b]), q_end - q_start
+        if q_len == 0 or seq_len == 0:
+            continue
+        blocks = block_table[b, : cdiv(seq_len, block_size)].long()
+        k, v = _read(key_cache, blocks, seq_len), _read(value_cache, blocks, seq_len)  # [n, h, d]
+        if fp8_query:
+            k, v = k.to(torch.float32), v.to(torch.float32)  # raw e4m3 values; descales come later
+        elif fp8_cache:
+            k = _round_to(k.to(torch.float32) * k_scale, element)
+            v = _round_to(v.to(torch.float32) * v_scale, element)
+        else:
+            k, v = _round_to(k.to(torch.float32), element), _round_to(v.to(torch.float32), element)
+        k_pos = torch.arange(seq_len)
+        chunk = max(1, _MAX_SCORE_ELEMS // (num_heads * seq_len))
+        for t0 in range(0, q_len, chunk):
+            t1 = min(q_len, t0 + chunk)
+            q = query[q_start + t0 : q_start + t1].to(torch.float32).view(t1 - t0, num_kv_heads, group, head_size)
+            q_pos = torch.arange(seq_len - q_len + t0, seq_len - q_len + t1)
+            s = torch.einsum("thgd,nhd->hgtn", q, k)  # fp32 sums, [h, g, t, n]
+            if softcap > 0:
+                t = torch.tanh(s * (score_scale / softcap))
+                s = softcap * _round_to(t, _TANH_DTYPE)
+            else:
+                s = s * score_scale
+            if alibi_slopes is not None:
+                distance = (q_pos[:, None] - k_pos[None, :]).abs().to(torch.float32)
+                s = s - alibi_slopes.to(torch.float32).view(num_kv_heads, group, 1, 1) * distance
+            visible = visibility(q_pos[None], k_pos[None], None, causal, window)[0]  # [t, n]
+            s = s.masked_fill(~visible, -math.inf)
+            m = s.amax(dim=-1)  # [h, g, t]
+            if sinks is not None:
+                m = torch.maximum(m, sinks.to(torch.float32).view(num_kv_heads, group, 1))
+            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+            p = torch.exp(s - m[..., None]) * p_offset
+            row_sum = p.sum(dim=-1)
+            if sinks is not None:
+                row_sum = row_sum + torch.exp(sinks.to(torch.float32).view(num_kv_heads, group, 1) - m) * p_offset
+            p_op = p.to(torch.float8_e4m3fn).to(torch.float32) if fp8_query else _round_to(p, element)
+            acc = torch.einsum("hgtn,nhd->hgtd", p_op, v)
+            o = torch.where(row_sum[..., None] > 0, acc / row_sum.clamp_min(1e-38)[..., None], 0.0)
+            if fp8_query:
+                o = o * v_scale
+            out[q_start + t0 : q_start + t1] = o.permute(2, 0, 1, 3).reshape(t1 - t0, num_heads, head_size)
+    return out.to(out_dtype)

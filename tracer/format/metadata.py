@@ -1,0 +1,388 @@
+"""Metadata verdicts: is a step's attention metadata self-consistent and true to the model?
+
+These checks need no tensors, so every record gets them, a ``--no-tensors`` trace
+included. Each compares what vLLM handed attention with what it must be:
+
+``lengths``
+    ``query_start_loc`` starts at 0, never decreases and ends at ``num_actual_tokens``
+    (padded rows of a CUDA-graph batch repeat the last entry: query length 0, seq_len 0);
+    each row's query length is at most its ``seq_len``; ``slot_mapping`` covers the
+    actual tokens and is -1 past them; ``max_query_len`` / ``max_seq_len`` bound the rows.
+``slots``
+    Every new token's slot is ``block_table[row][pos // block_size] * block_size +
+    pos % block_size`` with ``pos = seq_len - query_len + i`` (vLLM's
+    ``BlockTable.compute_slot_mapping``); -1 slots are padding and skipped; no two tokens
+    share a slot.
+``blocks``
+    Every block id a row uses (its first ``ceil(seq_len / block_size)`` entries) lies in
+    the pool, ``0 < id < num_blocks``. Block 0 is vLLM's null block: it holds no KV, and
+    may appear only in dummy runs (warm-up, profile) or where a sliding window has
+    dropped the block (no query of the row reads it).
+``shared``
+    A block in two rows sits at the same logical index in both, is full in both, and
+    (when ``session.json`` records the prompts) both requests hold the same tokens up to
+    its end: prefix caching shares a block only for an identical prefix.
+``flags``
+    ``causal``, the sliding window and the soft-cap agree with the model config the
+    manifest records (``RunInfo.extra["model_attention"]``); the head counts with the
+    KV-cache spec and the model.
+
+Standard library only: runs where neither torch nor vLLM is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from tracer.format.records import KVCacheSpec, RunInfo, StepRecord
+from tracer.format.selection import layer_index
+from tracer.format.store import SESSION, Trace
+from tracer.format.verdicts import MetadataCheck, MetadataProblem
+
+__all__ = [
+    "MAX_PROBLEMS",
+    "METADATA_CHECKS",
+    "check_record",
+    "check_records",
+    "expected_attention",
+    "known_tokens",
+]
+
+#: The checks, in the order they are reported.
+METADATA_CHECKS = ("lengths", "slots", "blocks", "shared", "flags")
+#: Problems kept per check (``num_problems`` counts all of them).
+MAX_PROBLEMS = 8
+#: vLLM's null block: the placeholder id for "no block here".
+NULL_BLOCK = 0
+#: Architecture suffixes of decoder-only models: their attention is causal.
+_DECODER_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+#: Request id -> its tokens (prompt, then generated), as ``session.json`` records them.
+Tokens = Mapping[str, Sequence[int]]
+
+
+class _Findings:
+    """Collects one check's problems; :meth:`done` makes the record."""
+
+    def __init__(self, record: StepRecord, check: str):
+        self.record, self.check = record, check
+        self.problems: list[MetadataProblem] = []
+        self.count = 0
+        self.checked = 0
+
+    def add(self, message: str, row: int | None = None, position: int | None = None, token: int | None = None):
+        self.count += 1
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(MetadataProblem(message, row, position, token))
+
+    def done(self, note: str = "") -> MetadataCheck:
+        r = self.record
+        return MetadataCheck(
+            step=r.step,
+            layer=r.layer,
+            kind=r.kind,
+            check=self.check,
+            ok=self.count == 0,
+            checked=self.checked,
+            num_problems=self.count,
+            problems=tuple(self.problems),
+            note=note,
+        )
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows(record: StepRecord) -> list[tuple[int, int, int, int]]:
+    """``(row, first query token, query_len, seq_len)`` for rows whose lengths are usable."""
+    qsl, lens = record.query_start_loc, record.seq_lens
+    return [
+        (r, qsl[r], qsl[r + 1] - qsl[r], lens[r])
+        for r in range(min(len(lens), len(qsl) - 1))
+        if 0 <= qsl[r + 1] - qsl[r] <= lens[r]
+    ]
+
+
+def _check_lengths(record: StepRecord, model_len: int | None) -> MetadataCheck:
+    f = _Findings(record, "lengths")
+    qsl, lens, n = record.query_start_loc, record.seq_lens, record.num_actual_tokens
+    f.checked = len(lens)
+    if len(qsl) != len(lens) + 1:
+        f.add(f"query_start_loc has {len(qsl)} entries for {len(lens)} seq_lens (expected {len(lens) + 1})")
+    if len(record.block_table) != len(lens):
+        f.add(f"block_table has {len(record.block_table)} rows for {len(lens)} seq_lens")
+    if qsl and qsl[0] != 0:
+        f.add(f"query_start_loc[0] is {qsl[0]}, expected 0")
+    for r in range(min(len(lens), len(qsl) - 1)):
+        q = qsl[r + 1] - qsl[r]
+        if q < 0:
+            f.add(f"query_start_loc decreases: {qsl[r]} then {qsl[r + 1]}", row=r)
+        elif q > lens[r]:
+            f.add(f"query length {q} > seq_len {lens[r]}: the row computes more tokens than it holds", row=r)
+        if model_len and lens[r] > model_len:
+            f.add(f"seq_len {lens[r]} > max_model_len {model_len}", row=r)
+    if qsl and qsl[-1] != n:
+        f.add(f"query_start_loc ends at {qsl[-1]}, num_actual_tokens is {n}")
+    if len(record.slot_mapping) < n:
+        f.add(f"slot_mapping has {len(record.slot_mapping)} entries for {n} actual tokens")
+    tail = [t for t in range(n, len(record.slot_mapping)) if record.slot_mapping[t] != -1]
+    if tail:
+        f.add(f"{len(tail)} slot(s) past num_actual_tokens are not -1 (padding must not be written)", token=tail[0])
+    query_lens = [qsl[r + 1] - qsl[r] for r in range(len(qsl) - 1)]
+    if query_lens and record.max_query_len < max(query_lens):
+        f.add(f"max_query_len {record.max_query_len} < the longest query, {max(query_lens)}")
+    if lens and record.max_seq_len < max(lens):
+        f.add(f"max_seq_len {record.max_seq_len} < the longest seq_len, {max(lens)}")
+    return f.done()
+
+
+def _check_slots(record: StepRecord, bs: int) -> MetadataCheck:
+    f = _Findings(record, "slots")
+    sm, padding = record.slot_mapping, 0
+    owner: dict[int, int] = {}
+    for r, first, q, seq_len in _rows(record):
+        row = record.block_table[r] if r < len(record.block_table) else ()
+        for i in range(q):
+            t = first + i
+            if t >= len(sm):
+                break  # reported by ``lengths``
+            slot, pos = sm[t], seq_len - q + i
+            if slot == -1:
+                padding += 1
+                continue
+            f.checked += 1
+            j = pos // bs
+            if j >= len(row):
+                f.add(f"position {pos} needs logical block {j}; the row has {len(row)} block(s)", r, pos, t)
+                continue
+            expected = row[j] * bs + pos % bs
+            if slot != expected:
+                f.add(
+                    f"slot {slot} (block {slot // bs}, offset {slot % bs}), expected {expected} = "
+                    f"block_table[{r}][{j}] {row[j]} * {bs} + {pos % bs}",
+                    r,
+                    pos,
+                    t,
+                )
+            if slot in owner:
+                f.add(f"slot {slot} is also written by query token {owner[slot]}", r, pos, t)
+            owner.setdefault(slot, t)
+    return f.done(f"{padding} padding slot(s) (-1) skipped" if padding else "")
+
+
+def _first_read_position(record: StepRecord, q: int, seq_len: int) -> int:
+    """The lowest key position any query of the row reads (0 without a window)."""
+    window = record.sliding_window
+    left = window[0] if window else -1
+    return 0 if left < 0 else max(0, seq_len - q - left)
+
+
+def _check_blocks(record: StepRecord, spec: KVCacheSpec) -> MetadataCheck:
+    f = _Findings(record, "blocks")
+    bs, nb = spec.block_size, spec.num_blocks
+    nulls = 0
+    for r, _first, q, seq_len in _rows(record):
+        row = record.block_table[r] if r < len(record.block_table) else ()
+        needed = _ceil_div(seq_len, bs)
+        if len(row) < needed:
+            f.add(f"{len(row)} block(s) for seq_len {seq_len}: needs {needed}", row=r, position=len(row) * bs)
+        first_read = _first_read_position(record, q, seq_len)
+        seen: dict[int, int] = {}
+        for j, block in enumerate(row[:needed]):
+            f.checked += 1
+            if not 0 <= block < nb:
+                f.add(f"block id {block} at logical block {j} is outside the pool 1..{nb - 1}", r, j * bs)
+            elif block == NULL_BLOCK:
+                nulls += 1
+                unread = (j + 1) * bs <= first_read
+                if record.kind == "request" and not unread:
+                    f.add(
+                        f"block 0 (vLLM's null block, no KV stored) at logical block {j}, which attention reads",
+                        r,
+                        j * bs,
+                    )
+            elif block in seen:
+                f.add(f"block {block} at logical blocks {seen[block]} and {j} of one row", r, j * bs)
+            else:
+                seen[block] = j
+    where = "outside the window: unread" if record.kind == "request" else "a dummy run"
+    note = f"{nulls} null-block entr{'y' if nulls == 1 else 'ies'} ({where})" if nulls else ""
+    return f.done(note)
+
+
+def _request_tokens(request_id: str, tokens: Tokens | None) -> Sequence[int] | None:
+    """The tokens of a record's request id (vLLM 0.26 appends ``-<hex>`` to the user's id)."""
+    if tokens is None or not request_id:
+        return None
+    if request_id in tokens:
+        return tokens[request_id]
+    base, sep, _suffix = request_id.rpartition("-")
+    return tokens.get(base) if sep else None
+
+
+def _check_shared(record: StepRecord, bs: int, tokens: Tokens | None) -> MetadataCheck:
+    f = _Findings(record, "shared")
+    where: dict[int, list[tuple[int, int, int]]] = {}  # block -> (row, logical index, seq_len)
+    for r, _first, _q, seq_len in _rows(record):
+        row = record.block_table[r] if r < len(record.block_table) else ()
+        for j, block in enumerate(row[: _ceil_div(seq_len, bs)]):
+            if block > NULL_BLOCK:
+                where.setdefault(block, []).append((r, j, seq_len))
+    unknown: set[int] = set()
+    for block, places in sorted(where.items()):
+        rows = {r for r, _, _ in places}
+        if len(rows) < 2:
+            continue
+        f.checked += 1
+        r0, j0, _ = places[0]
+        seq0 = _request_tokens(_rid(record, r0), tokens)
+        for r, j, seq_len in places:
+            if j != j0:
+                f.add(f"block {block} is logical block {j0} of row {r0} but {j} of row {r}", r, j * bs)
+                continue
+            if (j + 1) * bs > seq_len:
+                f.add(f"shared block {block} is not full (seq_len {seq_len}, block ends at {(j + 1) * bs})", r, j * bs)
+            if r == r0:
+                continue
+            seq = _request_tokens(_rid(record, r), tokens)
+            end = (j + 1) * bs
+            if seq0 is None or seq is None or len(seq0) < end or len(seq) < end:
+                unknown.update(x for x, s in ((r0, seq0), (r, seq)) if s is None or len(s) < end)
+                continue
+            diff = next((p for p in range(end) if seq0[p] != seq[p]), None)
+            if diff is not None:
+                f.add(
+                    f"block {block} shared by rows {r0} and {r}, whose tokens differ at position {diff} "
+                    f"({seq0[diff]} vs {seq[diff]}): prefix caching shares identical prefixes only",
+                    r,
+                    diff,
+                )
+    note = ""
+    if unknown:
+        why = "no session.json" if tokens is None else "not in session.json"
+        note = f"prompts unknown ({why}) for row(s) {_short(sorted(unknown))}: token prefixes not compared"
+    return f.done(note)
+
+
+def _rid(record: StepRecord, row: int) -> str:
+    return record.request_ids[row] if row < len(record.request_ids) else ""
+
+
+def _short(values: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, values[:limit]))
+    return shown + (f" … (+{len(values) - limit})" if len(values) > limit else "")
+
+
+def expected_attention(run: RunInfo | None, layer: str) -> tuple[tuple[int, int] | None, float | None]:
+    """What the model config says ``layer``'s window and soft-cap are: ``(window, softcap)``.
+
+    The window is FlashAttention's ``(left, right)``: ``(w - 1, 0)`` for a sliding window of
+    ``w`` tokens, ``(-1, -1)`` for none (vLLM's ``FlashAttentionImpl``); a model with
+    ``layer_types`` gets its window on the ``sliding_attention`` layers only (Gemma-2,
+    Llama's ``per_layer_sliding_window``). Either is None when the manifest does not record
+    the model's attention config (traces made before it did).
+    """
+    cfg = run.extra.get("model_attention") if run is not None else None
+    if not isinstance(cfg, dict) or not cfg:
+        return None, None
+    layer_types, idx = cfg.get("layer_types"), layer_index(layer)
+    if isinstance(layer_types, list) and idx is not None and idx < len(layer_types):
+        window = cfg.get("sliding_window") if layer_types[idx] == "sliding_attention" else None
+    else:
+        window = cfg.get("cache_sliding_window")
+    softcap = cfg.get("attn_logit_softcapping")
+    return ((-1, -1) if not window else (int(window) - 1, 0)), float(softcap or 0.0)
+
+
+def _check_flags(record: StepRecord, spec: KVCacheSpec, run: RunInfo | None) -> MetadataCheck:
+    f = _Findings(record, "flags")
+    model = run.model if run is not None else None
+    notes: list[str] = []
+    if model is not None and any(a.endswith(_DECODER_SUFFIXES) for a in model.architectures):
+        f.checked += 1
+        if not record.causal:
+            f.add(f"causal is False, but {'/'.join(model.architectures)} is a decoder: attention must be causal")
+    f.checked += 2
+    if record.num_kv_heads != spec.num_kv_heads:
+        f.add(f"num_kv_heads {record.num_kv_heads}, the KV cache holds {spec.num_kv_heads}")
+    if record.head_size != spec.head_size:
+        f.add(f"head_size {record.head_size}, the KV cache holds {spec.head_size}")
+    if record.num_kv_heads > 0 and model is not None and model.num_kv_heads > 0:
+        f.checked += 1
+        group, model_group = record.num_heads / record.num_kv_heads, model.num_attention_heads / model.num_kv_heads
+        if group != model_group:
+            f.add(f"{group:g} query heads per KV head, the model has {model_group:g}")
+    window = tuple(record.sliding_window) if record.sliding_window is not None else None
+    expected_window, expected_softcap = expected_attention(run, record.layer)
+    if expected_window is None:
+        notes.append("the manifest does not record the model's window/soft-cap: window checked for form only")
+        f.checked += 1
+        if window is not None and window != (-1, -1) and not (window[0] >= 0 and window[1] in (0, -1)):
+            f.add(f"sliding_window {window} is neither (-1, -1) nor (left, 0) of a causal window")
+    else:
+        f.checked += 2
+        if window is None:
+            notes.append("sliding_window not recorded")
+        elif window != expected_window:
+            f.add(f"sliding_window {window}, the model config says {expected_window}")
+        softcap = record.logits_soft_cap or 0.0
+        if softcap != expected_softcap:
+            f.add(f"logits_soft_cap {softcap:g}, the model config says {expected_softcap:g}")
+    return f.done("; ".join(notes))
+
+
+def check_record(
+    record: StepRecord, spec: KVCacheSpec, run: RunInfo | None = None, tokens: Tokens | None = None
+) -> tuple[MetadataCheck, ...]:
+    """Every metadata check of one (step, layer), in :data:`METADATA_CHECKS` order.
+
+    Args:
+        record: the step's metadata (tensors are not read).
+        spec: the trace's KV-cache spec (block size, pool size, heads).
+        run: the manifest, for the model config; None checks what needs no model.
+        tokens: request id -> tokens (:func:`known_tokens`); None: prompts unknown.
+    """
+    model_len = run.model.max_model_len if run is not None and run.model is not None else None
+    return (
+        _check_lengths(record, model_len),
+        _check_slots(record, spec.block_size),
+        _check_blocks(record, spec),
+        _check_shared(record, spec.block_size, tokens),
+        _check_flags(record, spec, run),
+    )
+
+
+def known_tokens(session: Any) -> dict[str, tuple[int, ...]] | None:
+    """Request id -> prompt + generated tokens, from ``session.json``'s object; None if it has none.
+
+    ``pagedtrace run`` writes ``prompts``, ``outputs`` and ``request_ids`` in the same order.
+    A session without them (or of another shape) means the prompts are unknown.
+    """
+    if not isinstance(session, dict):
+        return None
+    prompts, outputs, ids = session.get("prompts"), session.get("outputs"), session.get("request_ids")
+    if not (isinstance(prompts, list) and isinstance(ids, list) and len(prompts) == len(ids)):
+        return None
+    if not isinstance(outputs, list) or len(outputs) != len(ids):
+        outputs = [[] for _ in ids]
+    out: dict[str, tuple[int, ...]] = {}
+    for rid, prompt, generated in zip(ids, prompts, outputs, strict=True):
+        if not isinstance(prompt, list) or not isinstance(generated, list):
+            return None
+        out[str(rid)] = tuple(int(t) for t in prompt) + tuple(int(t) for t in generated)
+    return out
+
+
+def check_records(trace: Trace, records: Iterable[StepRecord]) -> tuple[MetadataCheck, ...]:
+    """:func:`check_record` for each of ``records`` of ``trace``, prompts from its ``session.json``.
+
+    A trace without a KV-cache spec in its manifest gets no metadata checks (nothing to
+    hold the block ids against): the result is empty.
+    """
+    spec = trace.run.kv_cache
+    if spec is None:
+        return ()
+    tokens = known_tokens(trace.read_json(SESSION))
+    return tuple(c for r in records for c in check_record(r, spec, trace.run, tokens))
