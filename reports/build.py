@@ -102,7 +102,13 @@ def write_report(
     """
     trace = Trace.open(trace_dir, strict=False)
     site = build_site(trace, reference=load_reference_source(), max_step_pages=max_step_pages)
-    return write_site(render_site(site), out_dir)
+    pages = render_site(site)
+    if trace.run.kv_cache is not None and any(r.kind == "request" for r in trace.records):
+        from reports.explain_pages import PREFIX_PAGE, render_prefix_page
+        from tracer.format.prefix import explain_prefix_cache
+
+        pages[PREFIX_PAGE] = render_prefix_page(explain_prefix_cache(trace), str(trace.path))
+    return write_site(pages, out_dir)
 
 
 def build_report(

@@ -25,8 +25,9 @@ from reports.index_page import IndexPage, index_page
 from reports.source_pages import SourcePage, source_page
 from reports.step_pages import MAX_REQUEST_PAGES, StepPage, pages_for_steps, step_view
 from reports.tour import TourPage, tour_page
-from reports.verdicts import read_replay
-from tracer.format import Trace
+from reports.verdicts import ReplayData, read_replay
+from tracer.format import MetadataCheck, Trace
+from tracer.format.metadata import check_records
 
 __all__ = ["Site", "build_site", "navigation"]
 
@@ -76,12 +77,13 @@ def build_site(
         layers_by_step.setdefault(r.step, []).append(r.layer)
     by_step = replay.by_step
     paged_records = [r for r in records if r.step in paged]
+    metadata = _step_metadata(trace, replay, {r.step for r in paged_records})
     steps = {}
     for i, r in enumerate(paged_records):
         prev = paged_records[i - 1].step if i > 0 else None
         nxt = paged_records[i + 1].step if i + 1 < len(paged_records) else None
         steps[step_page(r.step)] = step_view(
-            r, trace.run, tuple(layers_by_step[r.step]), by_step.get(r.step, []), prev, nxt, nav
+            r, trace.run, tuple(layers_by_step[r.step]), by_step.get(r.step, []), prev, nxt, nav, *metadata[r.step]
         )
     return Site(
         index=index_page(trace, replay, located, paged),
@@ -89,3 +91,21 @@ def build_site(
         steps=steps,
         tour=tour_page(trace, located, paged, reference, nav),
     )
+
+
+def _step_metadata(trace: Trace, replay: ReplayData, steps: set[int]) -> dict[int, tuple[list[MetadataCheck], str]]:
+    """Per paged step: its metadata checks and where they come from.
+
+    From ``replay.json`` when it has them; else computed now (they need no tensors, nor torch).
+    """
+    out: dict[int, tuple[list[MetadataCheck], str]] = {}
+    for step in steps:
+        saved = replay.metadata_by_step.get(step)
+        if saved:
+            out[step] = (saved, "from replay.json")
+    todo = [r for r in trace.records if r.step in steps and r.step not in out]
+    for check in check_records(trace, todo):
+        out.setdefault(check.step, ([], "computed now: replay.json has none"))[0].append(check)
+    for step in steps:
+        out.setdefault(step, ([], ""))
+    return out

@@ -34,3 +34,22 @@ def cpu_trace(tmp_path_factory) -> Path:
 def cpu_session(cpu_trace) -> dict:
     """``session.json`` of the shared trace: prompts, outputs, request ids."""
     return json.loads((cpu_trace / "session.json").read_text())
+
+
+def _engine_variant(tmp_path_factory, name: str, extra: list[str]) -> Path:
+    """The shared session's settings plus ``extra``: one more real engine run, once per test session."""
+    out = tmp_path_factory.mktemp(f"engine-{name}") / "trace"
+    run_engine(["-m", "pagedtrace", "run", "-o", str(out), *RUN_ARGS, *extra])
+    return out
+
+
+@pytest.fixture(scope="session")
+def cpu_trace_no_prefix_caching(tmp_path_factory) -> Path:
+    """:func:`cpu_trace`'s session with vLLM's prefix caching off (for ``pagedtrace diff``)."""
+    return _engine_variant(tmp_path_factory, "no-prefix-caching", ["--no-prefix-caching"])
+
+
+@pytest.fixture(scope="session")
+def cpu_trace_block16(tmp_path_factory) -> Path:
+    """:func:`cpu_trace`'s session with 16-token blocks instead of 32 (for ``pagedtrace diff``)."""
+    return _engine_variant(tmp_path_factory, "block16", ["--block-size", "16"])

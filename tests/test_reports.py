@@ -222,6 +222,7 @@ def test_report_writes_every_page(report_dir):
         [
             "index.html",
             "tour.html",
+            "prefix.html",
             "style.css",
             "report.js",
             "src-attention.html",

@@ -1,0 +1,103 @@
+"""``pagedtrace step TRACE --step N --request R --head H``: one query through the block loop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from tracer.format import Trace
+from tracer.format.walk import QueryWalk
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``step``."""
+    p = sub.add_parser(
+        "step",
+        help="walk one real query through the reference block loop (online softmax)",
+        description="Run paged_attention_loop on a captured step for one request and head and print, per "
+        "logical block, the physical id, valid tokens, block max, running m and l, the rescale "
+        "exp(m_old - m_new) and ||acc||; then the partitioned form's (m, l) per partition and the "
+        "log-sum-exp merge; then vLLM's own output for that head, with the error.",
+    )
+    p.add_argument("trace", help="trace directory (with tensors)")
+    p.add_argument("--step", type=int, required=True, help="step index")
+    p.add_argument("--request", required=True, help="request id, its frontend id (0) or #N")
+    p.add_argument("--head", type=int, default=0, help="query head (default 0)")
+    p.add_argument("--layer", default=None, help="layer name (default: the first recorded)")
+    p.add_argument("--token", type=int, default=None, help="query row within the request (default: its last)")
+    p.add_argument("--partition-size", type=int, default=None, help="v2 partition, tokens (default: 2 blocks)")
+    p.add_argument("--json", action="store_true", help="print the walk as JSON")
+    p.add_argument("--html", metavar="FILE", help="also write the walk as a static HTML page")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Walk, print, optionally write the page."""
+    from reference_impl.stepper import walk_query
+
+    walk = walk_query(
+        Trace.open(args.trace),
+        args.step,
+        args.request,
+        args.head,
+        layer=args.layer,
+        token=args.token,
+        partition_size=args.partition_size,
+    )
+    if args.html:
+        from reports.explain_pages import write_stepper_page
+
+        write_stepper_page(walk, args.html)
+    if args.json:
+        sys.stdout.write(json.dumps(walk.to_json(), indent=2) + "\n")
+        return 0
+    for table in build_walk_tables(walk):
+        console.print(table)
+    verdict = "[green]within[/]" if walk.ok else "[red]OVER[/]"
+    console.print(
+        f"vLLM's output, head {walk.head}: ||out|| {walk.vllm_norm:.6g} (reference {walk.output_norm:.6g}); "
+        f"max |vLLM - reference| {walk.max_abs:.3g}, bar {walk.tolerance:.3g}: {verdict}"
+    )
+    return 0
+
+
+def build_walk_tables(walk: QueryWalk) -> list[Table]:
+    """The block loop's running values, the kernel lines, the partitions and their merge."""
+    title = (
+        f"step {walk.step} {walk.layer}: request {walk.request_id}, query {walk.token} (position "
+        f"{walk.position}), head {walk.head} (KV head {walk.kv_head}); {walk.compute_dtype}"
+    )
+    loop = Table(title=title)
+    for col in ("j", "physical", "positions", "valid", "visible", "block max", "m", "rescale", "l", "||acc||"):
+        loop.add_column(col, justify="right")
+    for b in walk.blocks:
+        loop.add_row(
+            str(b.logical),
+            str(b.physical),
+            f"{b.positions[0]}-{b.positions[1] - 1}",
+            str(b.n_valid),
+            str(b.n_visible),
+            f"{b.block_max:.6g}",
+            f"{b.m:.6g}",
+            f"{b.rescale:.6g}",
+            f"{b.l:.6g}",
+            f"{b.acc_norm:.6g}",
+        )
+    lines = Table(title="paged_attention_loop (reference_impl/kernel.py)")
+    lines.add_column("value")
+    lines.add_column("line", justify="right")
+    lines.add_column("code")
+    for k in walk.kernel_lines:
+        lines.add_row(k.value, str(k.line), escape(k.text))
+    parts = Table(title=f"partitioned (v2) form, {walk.partition_size}-token partitions, merged by log-sum-exp")
+    for col in ("blocks", "m", "l", "lse = m + log l", "weight exp(lse_p - lse)"):
+        parts.add_column(col, justify="right")
+    for p in walk.partitions:
+        parts.add_row(f"{p.blocks[0]}-{p.blocks[1] - 1}", f"{p.m:.6g}", f"{p.l:.6g}", f"{p.lse:.6g}", f"{p.weight:.6g}")
+    parts.add_row("merged", "", "", f"{walk.lse:.6g}", f"|loop - partitioned| {walk.loop_vs_partitioned:.2g}")
+    return [loop, lines, parts]

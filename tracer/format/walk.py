@@ -1,0 +1,127 @@
+"""The online softmax of one real query, block by block: the records of ``pagedtrace step``.
+
+:func:`reference_impl.stepper.walk_query` fills them from a captured step by running the
+reference kernel's own block loop (``paged_attention_loop``) with its ``on_block`` hook;
+``reports.stepper_page`` draws them without torch. ``to_json`` / ``from_json`` carry
+them between the two (``pagedtrace step --json``).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tracer.format.records import TraceError
+
+__all__ = ["BlockLine", "KernelLine", "PartitionLine", "QueryWalk"]
+
+
+def _num(x: float | None) -> float | None:
+    """JSON has no inf/NaN: write them as null (a fully masked block's max is -inf)."""
+    return x if x is None or math.isfinite(x) else None
+
+
+@dataclass(frozen=True)
+class KernelLine:
+    """A line of ``paged_attention_loop`` that computes a value the walk shows."""
+
+    value: str  #: e.g. ``m``, ``rescale``
+    line: int  #: 1-based line in ``reference_impl/kernel.py``
+    text: str  #: the line, stripped
+
+
+@dataclass(frozen=True)
+class BlockLine:
+    """The running state after logical block ``logical`` is folded in, for one query and head."""
+
+    logical: int  #: j, 0-based
+    physical: int  #: the block table's entry (the engine's physical id)
+    positions: tuple[int, int]  #: key positions, half-open
+    n_valid: int  #: valid tokens of the block (the last block may be partial)
+    n_visible: int  #: of those, keys this query sees (causal mask, window)
+    block_max: float  #: max score of the block's visible keys (-inf: none visible)
+    m: float  #: running max after the block
+    l: float  #: running sum of exp(score - m)
+    rescale: float  #: exp(m_old - m_new) applied to the old l and acc
+    acc_norm: float  #: ||acc||_2, the unnormalised output
+
+
+@dataclass(frozen=True)
+class PartitionLine:
+    """One partition of the v2 (partitioned) form."""
+
+    blocks: tuple[int, int]  #: logical blocks, half-open
+    m: float  #: max score inside the partition
+    l: float  #: sum of exp(score - m) inside it
+    lse: float  #: log-sum-exp of its scores: m + log(l)
+    weight: float  #: exp(lse_p - lse): its share in the merge
+
+
+@dataclass(frozen=True)
+class QueryWalk:
+    """One query row of one head in one (step, layer), walked through the kernel."""
+
+    trace: str
+    step: int
+    layer: str
+    request_id: str
+    row: int  #: the request's block-table row
+    token: int  #: 0-based query index within the request's query rows
+    position: int  #: its token position in the sequence
+    head: int  #: query head
+    kv_head: int  #: the KV head it reads (GQA)
+    seq_len: int
+    block_size: int
+    scale: float
+    compute_dtype: str
+    blocks: tuple[BlockLine, ...]
+    kernel_lines: tuple[KernelLine, ...]
+    partition_size: int
+    partitions: tuple[PartitionLine, ...]
+    lse: float  #: merged log-sum-exp
+    loop_vs_partitioned: float  #: max |loop output - partitioned output| for this head's row
+    output_norm: float  #: ||acc / l|| of the reference
+    vllm_norm: float  #: ||vLLM's output row||
+    max_abs: float  #: max |vLLM - reference| over the head dimension
+    tolerance: float  #: replay's bar for this row: k * err(same math in bf16) + eps
+    output_head: tuple[float, ...]  #: the first values of the reference output row
+    vllm_head: tuple[float, ...]  #: the same values of vLLM's output
+
+    @property
+    def ok(self) -> bool:
+        """vLLM's output is within the bar."""
+        return self.max_abs <= self.tolerance
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict (non-finite numbers as null)."""
+        data = asdict(self)
+        for line in data["blocks"]:
+            line["block_max"] = _num(line["block_max"])
+        data["ok"] = self.ok
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> QueryWalk:
+        """Read :meth:`to_json`'s output back; a malformed object is a ``TraceError``."""
+        try:
+            body = {k: v for k, v in data.items() if k != "ok"}
+            body["blocks"] = tuple(
+                BlockLine(
+                    **{
+                        **b,
+                        "positions": tuple(b["positions"]),
+                        "block_max": -math.inf if b["block_max"] is None else b["block_max"],
+                    }
+                )
+                for b in body["blocks"]
+            )
+            body["kernel_lines"] = tuple(KernelLine(**k) for k in body["kernel_lines"])
+            body["partitions"] = tuple(PartitionLine(**{**p, "blocks": tuple(p["blocks"])}) for p in body["partitions"])
+            body["output_head"] = tuple(body["output_head"])
+            body["vllm_head"] = tuple(body["vllm_head"])
+            return cls(**body)
+        except (AttributeError, KeyError, TypeError) as exc:
+            raise TraceError(f"not a query walk: {exc}") from None
