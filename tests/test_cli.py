@@ -26,6 +26,7 @@ README = Path(__file__).parent.parent / "README.md"
 #: What rich would read as a closing tag (a MarkupError) and as an OSC-8 terminal hyperlink.
 MARKUP = "[/x][link=http://x]"
 EVIL_LAYER = f"evil{MARKUP}attn"  # no layer index, so tables print the whole name
+EVIL_REQUEST = f"0-a0c{MARKUP}"  # request 0 of the fixture, its frontend id kept
 OSC8 = "\x1b]8;"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
 
@@ -49,12 +50,13 @@ def _last_line(out: str) -> str:
 
 @pytest.fixture(scope="module")
 def evil_trace(tmp_path_factory) -> Path:
-    """The H200 eager trace under a path, layer name and model name that all carry markup."""
+    """The H200 eager trace under a path, layer name, request id and model name that all carry markup."""
     dest = tmp_path_factory.mktemp("cli") / f"trace{MARKUP}"
     shutil.copytree(FIXTURE, dest)
     layer = "model.layers.0.self_attn.attn"
     steps = dest / STEPS
-    steps.write_text(steps.read_text().replace(f'"{layer}"', json.dumps(EVIL_LAYER)))
+    text = steps.read_text().replace(f'"{layer}"', json.dumps(EVIL_LAYER))
+    steps.write_text(text.replace('"0-a0c640ce"', json.dumps(EVIL_REQUEST)))
     manifest = json.loads((dest / MANIFEST).read_text())
     manifest["model"]["name"] = f"qwen{MARKUP}"
     names = manifest["kv_cache"]["layer_names"]
@@ -177,3 +179,21 @@ def test_run_tables_print_markup_literally(evil_trace):
     assert OSC8 not in text
     plain = ANSI.sub("", text)
     assert EVIL_LAYER in plain and f"qwen{MARKUP}" in plain and f"trace {evil_trace}" in plain
+
+
+def test_diff_show_step_and_export_print_markup_literally(evil_trace, tmp_path):
+    code, out = _cli("show", str(evil_trace), color=True)
+    assert code == 0, out
+    assert f"#0 ({EVIL_REQUEST})" in out  # a request id, whole
+    code, out = _cli("diff", str(FIXTURE), str(evil_trace), "--no-tensors", color=True)
+    assert code == 1, out  # the model names differ
+    assert f"│ model │ qwen2.5-7b-instruct │ qwen{MARKUP} │" in out and "(requests matched by prompt tokens)" in out
+    code, out = _cli("step", str(evil_trace), "--step", "5", "--request", "0", "--head", "1", color=True)
+    assert code == 0, out
+    assert f"step 5 {EVIL_LAYER}: request {EVIL_REQUEST}," in out
+    dest = tmp_path / f"out{MARKUP}" / "timeline.json"  # MARKUP's "//" makes folders
+    dest.parent.mkdir(parents=True)
+    code, out = _cli("export", str(evil_trace), "--perfetto", str(dest), color=True)
+    assert code == 0, out
+    assert f"timeline written: {dest} (" in out
+    assert EVIL_LAYER in dest.read_text() and EVIL_REQUEST in dest.read_text()

@@ -7,9 +7,10 @@ import json
 import sys
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
+from pagedtrace.commands import literal
 from tracer.format import Trace
 from tracer.format.diff import TraceDiff, diff_traces
 
@@ -56,18 +57,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
         for table in build_diff_tables(diff):
             console.print(table)
         for note in diff.notes:
-            console.print(f"[dim]note: {note}[/]")
-        console.print("[bold green]same[/]" if diff.same else "[bold yellow]differs[/]")
+            console.print(literal(f"note: {note}", "dim"), soft_wrap=True, highlight=False)
+        console.print(Text("same", "bold green") if diff.same else Text("differs", "bold yellow"))
     return 0 if diff.same else 1
 
 
 def build_diff_tables(diff: TraceDiff) -> list[Table]:
-    """The run's differences, each request's differing steps, and the output comparison."""
-    run = Table(title=f"A = {diff.a}   B = {diff.b}   (requests matched by {diff.matched_by})")
+    """The run's differences, each request's differing steps, and the output comparison.
+
+    Every cell and title that quotes the traces (paths, request labels, layers, values) is a
+    ``Text``: rich never reads it as markup.
+    """
+    run = Table(title=literal(f"A = {diff.a}   B = {diff.b}   (requests matched by {diff.matched_by})"))
     for col in ("run", "A", "B"):
         run.add_column(col)
     for d in diff.run:
-        run.add_row(d.name, escape(str(d.a)), escape(str(d.b)))
+        run.add_row(literal(d.name), literal(d.a), literal(d.b))
     if not diff.run:
         run.add_row("(same engine settings)", "", "")
     steps = Table(title="per request and seq_len: what differs")
@@ -76,11 +81,11 @@ def build_diff_tables(diff: TraceDiff) -> list[Table]:
     for r in diff.requests:
         for p in r.pairs:
             for i, d in enumerate(p.differences):
-                head = (r.label, str(p.seq_len), f"{p.step_a}/{p.step_b}") if i == 0 else ("", "", "")
-                steps.add_row(*head, d.name, escape(str(d.a)), escape(str(d.b)))
+                head = (literal(r.label), str(p.seq_len), f"{p.step_a}/{p.step_b}") if i == 0 else ("", "", "")
+                steps.add_row(*head, literal(d.name), literal(d.a), literal(d.b))
         if r.only_a or r.only_b:
             steps.add_row(
-                r.label, "", "", "seq_lens on one side only", escape(str(list(r.only_a))), escape(str(list(r.only_b)))
+                literal(r.label), "", "", "seq_lens on one side only", literal(list(r.only_a)), literal(list(r.only_b))
             )
     tables = [run, steps]
     if diff.outputs:
@@ -90,14 +95,14 @@ def build_diff_tables(diff: TraceDiff) -> list[Table]:
         for o in diff.outputs:
             worst = max(range(len(o.max_abs)), key=lambda h: o.max_abs[h] - o.bar[h])
             out.add_row(
-                o.label,
+                literal(o.label),
                 f"{o.step_a}/{o.step_b}",
                 f"{o.positions[0]}-{o.positions[1] - 1}",
-                o.layer,
+                literal(o.layer),
                 str(worst),
                 f"{o.max_abs[worst]:.3g}",
                 f"{o.bar[worst]:.3g}",
-                "[green]within[/]" if o.ok else "[red]OVER[/]",
+                Text("within", "green") if o.ok else Text("OVER", "red"),
             )
         tables.append(out)
     return tables

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 from tracer.format import Trace
 from tracer.format.timeline import timeline
@@ -35,9 +36,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
         Path(args.perfetto).write_text(json.dumps(data) + "\n", encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot write {args.perfetto}: {exc.strerror or exc}") from None
-    console.print(
-        f"[bold green]timeline written:[/] {args.perfetto} ({len(data['traceEvents'])} events; "
-        "open it at ui.perfetto.dev)",
+    console.print(  # the path is the user's: Text, never markup
+        Text.assemble(
+            ("timeline written:", "bold green"),
+            f" {args.perfetto} ({len(data['traceEvents'])} events; open it at ui.perfetto.dev)",
+        ),
+        soft_wrap=True,
         highlight=False,
     )
     return 0

@@ -7,9 +7,10 @@ import json
 import sys
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
+from pagedtrace.commands import literal
 from tracer.format import Trace
 from tracer.format.walk import QueryWalk
 
@@ -58,21 +59,27 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return 0
     for table in build_walk_tables(walk):
         console.print(table)
-    verdict = "[green]within[/]" if walk.ok else "[red]OVER[/]"
+    verdict = Text("within", "green") if walk.ok else Text("OVER", "red")
     console.print(
-        f"vLLM's output, head {walk.head}: ||out|| {walk.vllm_norm:.6g} (reference {walk.output_norm:.6g}); "
-        f"max |vLLM - reference| {walk.max_abs:.3g}, bar {walk.tolerance:.3g}: {verdict}"
+        Text.assemble(
+            f"vLLM's output, head {walk.head}: ||out|| {walk.vllm_norm:.6g} (reference {walk.output_norm:.6g}); "
+            f"max |vLLM - reference| {walk.max_abs:.3g}, bar {walk.tolerance:.3g}: ",
+            verdict,
+        )
     )
     return 0
 
 
 def build_walk_tables(walk: QueryWalk) -> list[Table]:
-    """The block loop's running values, the kernel lines, the partitions and their merge."""
+    """The block loop's running values, the kernel lines, the partitions and their merge.
+
+    The title names the trace's layer and request id: a ``Text``, never markup.
+    """
     title = (
         f"step {walk.step} {walk.layer}: request {walk.request_id}, query {walk.token} (position "
         f"{walk.position}), head {walk.head} (KV head {walk.kv_head}); {walk.compute_dtype}"
     )
-    loop = Table(title=title)
+    loop = Table(title=literal(title))
     for col in ("j", "physical", "positions", "valid", "visible", "block max", "m", "rescale", "l", "||acc||"):
         loop.add_column(col, justify="right")
     for b in walk.blocks:
@@ -93,7 +100,7 @@ def build_walk_tables(walk: QueryWalk) -> list[Table]:
     lines.add_column("line", justify="right")
     lines.add_column("code")
     for k in walk.kernel_lines:
-        lines.add_row(k.value, str(k.line), escape(k.text))
+        lines.add_row(literal(k.value), str(k.line), literal(k.text))
     parts = Table(title=f"partitioned (v2) form, {walk.partition_size}-token partitions, merged by log-sum-exp")
     for col in ("blocks", "m", "l", "lse = m + log l", "weight exp(lse_p - lse)"):
         parts.add_column(col, justify="right")

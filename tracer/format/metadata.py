@@ -371,7 +371,9 @@ def known_tokens(session: Any) -> dict[str, tuple[int, ...]] | None:
     for rid, prompt, generated in zip(ids, prompts, outputs, strict=True):
         if not isinstance(prompt, list) or not isinstance(generated, list):
             return None
-        out[str(rid)] = tuple(int(t) for t in prompt) + tuple(int(t) for t in generated)
+        if not all(type(t) is int for t in (*prompt, *generated)):
+            return None  # not token ids (a float, a string, infinity): the prompts are unknown
+        out[str(rid)] = (*prompt, *generated)
     return out
 
 

