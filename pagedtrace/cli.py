@@ -9,6 +9,12 @@ rerun with ``--debug``, which prints the traceback.
 
 Everything printed here is a ``rich.text.Text``, never markup: an error message quotes
 paths and trace strings, and ``[/x]`` or ``[link=...]`` in them must print as written.
+
+Building the parser imports every command module, so those modules import only argparse,
+rich and the torch-free bottom layer at their top; torch, libcst, jinja2 and vLLM are
+imported inside ``run`` (``pagedtrace replay /no/such`` answers before torch loads).
+``--quiet`` / ``--verbose`` and ``--debug`` are taken before or after the command; output
+that is not a terminal is plain and full width (:mod:`pagedtrace.terminal`).
 """
 
 from __future__ import annotations
@@ -18,12 +24,15 @@ import importlib
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from rich.console import Console
 from rich.text import Text
 
+from pagedtrace.terminal import make_console
+
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ("run", "replay", "annotate", "report", "diff", "show", "step", "export")
+COMMANDS = ("run", "replay", "annotate", "report", "diff", "show", "step", "export", "preset")
 
 #: The exit codes of every command (README "The commands" and ``--help`` show this table).
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -49,27 +58,52 @@ def _epilog() -> str:
     return f"exit codes:\n{rows}"
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error: the usage of ``run`` alone is a dozen lines."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``prog: error: message (usage: prog --help)`` to stderr and exit 2."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
+def _add_common(parser: argparse.ArgumentParser, *, default: object) -> None:
+    """``--debug``, ``--quiet``, ``--verbose``: on the top parser and again on every command."""
+    parser.add_argument(
+        "--debug", action="store_true", default=default, help="print the traceback of an error (for bug reports)"
+    )
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument(
+        "-q", "--quiet", action="store_true", default=default, help="results and errors only (no progress, no logs)"
+    )
+    loudness.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=default,
+        help="print more: every row of long tables, vLLM's INFO logs (on stderr)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser, one subparser per command module."""
+    """The full argument parser, one subparser per command module (no torch, libcst or vLLM imported)."""
     from pagedtrace import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="pagedtrace",
         description="Trace vLLM's PagedAttention, replay it against a reference kernel, annotate and report.",
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"pagedtrace {__version__}")
-    debug_help = "print the traceback of an error (for bug reports)"
-    parser.add_argument("--debug", action="store_true", help=debug_help)
+    _add_common(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(f"pagedtrace.commands.{name}")
         module.add_parser(sub)
     for command in sub.choices.values():
-        # Also after the command (`pagedtrace replay T --debug`); SUPPRESS keeps a
-        # `--debug` given before the command from being reset to False here.
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+        # Also after the command (`pagedtrace replay T --debug`); SUPPRESS keeps a flag
+        # given before the command from being reset to False here.
+        _add_common(command, default=argparse.SUPPRESS)
         if command.epilog is None:
             command.epilog = SHORT_EPILOG
     return parser
@@ -84,7 +118,7 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     """Entry point; returns the process exit code (:data:`EXIT_CODES`), never raises."""
     from tracer.format import TraceError
 
-    console = console or Console()
+    console = console or make_console()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

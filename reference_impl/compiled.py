@@ -337,6 +337,24 @@ def load() -> ModuleType:
         return _module
 
 
+def is_built() -> bool:
+    """True when :func:`load` will not compile: built in this process, or in torch's build cache.
+
+    (``pagedtrace replay --kernel compiled`` says "building …" before a first build, ~30 s.)
+    """
+    if _module is not None:
+        return True
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # as in load(): the CUDA_HOME warning does not concern this build
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+    finally:
+        logger.setLevel(level)
+    name = f"pagedtrace_decode_{_cpu_tag()}"
+    return os.path.isfile(os.path.join(_get_build_directory(name, verbose=False), f"{name}.so"))
+
+
 def paged_attention_compiled(
     query: torch.Tensor,
     key_cache: torch.Tensor,

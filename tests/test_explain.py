@@ -97,7 +97,7 @@ def test_caching_off_is_read_from_the_session(tmp_path):
 
 def test_show_command(capsys):
     assert main(["show", str(H200), "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    data = json.loads(capsys.readouterr().out)["requests"]
     assert {d["label"]: d["miss"]["kind"] for d in data}["#2"] == "block-floor"
     assert main(["show", str(H200)]) == 0
     out = capsys.readouterr().out

@@ -9,7 +9,10 @@ prefix so that prefix caching shows in the block table; decoding is greedy.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
+import math
 import os
 import random
 import shutil
@@ -21,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tracer.format import parse_layers
+from tracer.format import check_steps, layer_index, parse_layers
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS
 
 #: Built-in presets: name -> (config file in ``pagedtrace.presets``, defaults).
@@ -125,34 +128,119 @@ def make_prompts(cfg: SessionConfig, vocab_size: int) -> list[list[int]]:
     return [prefix + [rng.randrange(10, top) for _ in range(rng.randint(lo, hi))] for _ in range(cfg.num_prompts)]
 
 
-def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
-    """Return (model path for vLLM, load format, vocab size, preset max_model_len or 0)."""
-    from tracer.loader import LOAD_FORMAT
+def _is_path_like(name: str) -> bool:
+    """A model argument written as a path (``/x``, ``./x``, ``~/x``, ``a/b/c``), not a hub id (``org/name``)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name or name.endswith("/")
 
+
+def read_model_config(name: str) -> dict[str, Any]:
+    """The model's ``config.json`` as a dict: a preset's, a local directory's, or the hub's.
+
+    A ``ValueError`` with one line for the user when there is none: a path that does not
+    exist answers at once, without asking the hub. For a hub id the config comes through
+    ``transformers.AutoConfig`` (its text config, for multimodal models), as vLLM reads it.
+    """
     if name in PRESETS:
-        preset = PRESETS[name]
-        text = resources.files("pagedtrace.presets").joinpath(preset["config"]).read_text()
-        model_dir = workdir / name
-        model_dir.mkdir(parents=True, exist_ok=True)
-        (model_dir / "config.json").write_text(text)
-        return str(model_dir), LOAD_FORMAT, int(json.loads(text)["vocab_size"]), preset["max_model_len"]
-    path = Path(name)
+        text = resources.files("pagedtrace.presets").joinpath(PRESETS[name]["config"]).read_text()
+        return dict(json.loads(text))
+    path = Path(name).expanduser()
     if path.is_dir():
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"{path}: no config.json (not a model directory)")
-        vocab = int(json.loads(cfg_file.read_text()).get("vocab_size", 32000))
-        has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
-        return str(path), ("auto" if has_weights else LOAD_FORMAT), vocab, 0
-    try:  # a hub model: prompts must stay below its vocabulary size
+        try:
+            data = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{cfg_file}: cannot read it as JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{cfg_file}: not a JSON object")
+        return data
+    if path.exists():
+        raise ValueError(f"--model {name}: not a directory (a model directory holds config.json)")
+    if _is_path_like(name):
+        raise ValueError(f"--model {name}: no such directory (and not a preset: {', '.join(PRESETS)})")
+    return _hub_config(name)
+
+
+@functools.lru_cache(maxsize=8)
+def _hub_config(name: str) -> dict[str, Any]:
+    try:  # transformers raises several types for a bad id
         from transformers import AutoConfig
 
-        vocab = int(getattr(AutoConfig.from_pretrained(name).get_text_config(), "vocab_size", 32000))
-    except Exception as exc:  # noqa: BLE001 - transformers raises several types for a bad id
+        config = AutoConfig.from_pretrained(name).get_text_config()
+    except Exception as exc:  # noqa: BLE001
         raise ValueError(
             f"{name!r} is not a preset ({', '.join(PRESETS)}), a model directory, "
             f"or a model id the hub answers for: {str(exc).strip().splitlines()[0]}"
         ) from None
+    return dict(config.to_dict())
+
+
+def num_layers_of(model_config: dict[str, Any]) -> int | None:
+    """``num_hidden_layers`` of a model config (or its ``text_config``); None when it has none."""
+    for source in (model_config, model_config.get("text_config") or {}):
+        value = source.get("num_hidden_layers") if isinstance(source, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def validate_config(cfg: SessionConfig) -> None:
+    """Check ``cfg`` before anything starts: a ``ValueError`` with one line naming the flag.
+
+    Run by :func:`run_session` (and by ``pagedtrace run`` before its progress bars) so that
+    a wrong argument is answered in well under a second, before an engine starts or a trace
+    directory is created. Messages name the ``pagedtrace run`` flags.
+    """
+    for flag, value, least in (
+        ("--prompts", cfg.num_prompts, 1),
+        ("--max-tokens", cfg.max_tokens, 1),
+        ("--shared-prefix", cfg.shared_prefix, 0),
+    ):
+        if value < least:
+            raise ValueError(f"{flag} must be {'positive' if least else '0 or more'}, got {value}")
+    lo, hi = cfg.prompt_len
+    if lo < 1 or hi < lo:
+        raise ValueError(f"--prompt-len {lo}:{hi}: need 1 <= LO <= HI")
+    if not (cfg.budget_mb > 0 and math.isfinite(cfg.budget_mb)):
+        raise ValueError(f"--budget-mb must be > 0 MiB, got {cfg.budget_mb:g} (to record no tensors, use --no-tensors)")
+    for flag, opt in (("--block-size", cfg.block_size), ("--max-num-batched-tokens", cfg.max_num_batched_tokens)):
+        if opt is not None and opt < 1:
+            raise ValueError(f"{flag} must be positive, got {opt}")
+    try:
+        check_steps(cfg.steps)
+        layers = parse_layers(cfg.layers)
+    except ValueError as exc:
+        raise ValueError(f"--{'steps' if 'step' in str(exc) else 'layers'}: {exc}") from None
+    trace_dir = Path(cfg.trace_dir)
+    if cfg.trace and trace_dir.exists() and (not trace_dir.is_dir() or any(trace_dir.iterdir())):
+        raise ValueError(f"{trace_dir} exists and is not an empty directory: choose a new --out")
+    count = num_layers_of(read_model_config(cfg.model))
+    if count is None or isinstance(layers, str):
+        return
+    for item in layers:
+        index = item if isinstance(item, int) else layer_index(item)
+        if index is not None and index >= count:
+            raise ValueError(
+                f"--layers {cfg.layers}: layer {index} does not exist; {cfg.model} has {count} layers (0-{count - 1})"
+            )
+
+
+def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
+    """Return (model path for vLLM, load format, vocab size, preset max_model_len or 0)."""
+    from tracer.loader import LOAD_FORMAT
+
+    config = read_model_config(name)
+    vocab = int(config.get("vocab_size") or 32000)
+    if name in PRESETS:
+        model_dir = workdir / name
+        model_dir.mkdir(parents=True, exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return str(model_dir), LOAD_FORMAT, vocab, PRESETS[name]["max_model_len"]
+    path = Path(name).expanduser()
+    if path.is_dir():
+        has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+        return str(path), ("auto" if has_weights else LOAD_FORMAT), vocab, 0
     return name, "auto", vocab, 0
 
 
@@ -197,14 +285,36 @@ class _ProgressBar:
         self.close()
 
 
-def run_session(cfg: SessionConfig, progress: Callable[[str, str, Any], None] | None = None) -> SessionResult:
+#: ``run_session(log_level=...)``: vLLM's logging level by name (``pagedtrace --quiet`` / ``--verbose``).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def run_session(
+    cfg: SessionConfig,
+    progress: Callable[[str, str, Any], None] | None = None,
+    *,
+    log_level: str | None = None,
+) -> SessionResult:
     """Start a vLLM engine (traced unless ``cfg.trace`` is False), generate, stop.
 
     ``progress(event, what, value)`` is called with ``("phase", "engine", None)`` and
     tqdm-like ``start`` / ``advance`` / ``close`` events during generation.
+
+    vLLM's log lines go to stderr (vLLM's default is stdout, where they would mix with the
+    results); ``log_level`` (one of :data:`LOG_LEVELS`) sets their level, here and in vLLM's
+    child processes; None keeps ``VLLM_LOGGING_LEVEL`` or vLLM's default. A ``ValueError``
+    from :func:`validate_config` comes before anything starts.
     """
+    validate_config(cfg)
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if log_level is not None:
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"log level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+        os.environ["VLLM_LOGGING_LEVEL"] = log_level
+        # vLLM configures its logger once, at its first import: an earlier import keeps its level.
+        logging.getLogger("vllm").setLevel(log_level)
     if cfg.enforce_eager:
         # Eager runs need no torch.compile; without this vLLM still compiles its sampler (~10 s on CPU).
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")

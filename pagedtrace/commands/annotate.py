@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
-from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from annotations import ANNOTATED_FILES, AnnotatedSource, annotate, resolve_file
 from pagedtrace.cli import UsageError
-from tracer.format import Trace
+from pagedtrace.commands import short_layer
+from tracer.format import Trace, layer_matches, parse_layer
+
+if TYPE_CHECKING:  # libcst, through annotations: imported when a file is annotated, not for --help
+    from annotations import AnnotatedSource
 
 #: Rich style per value kind (see ``annotations.values``).
 KIND_STYLES = {"captured": "green", "computed": "yellow", "static": "dim italic", "missing": "red"}
@@ -26,12 +29,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "file",
-        help="a vLLM path (vllm/v1/attention/backends/flash_attn.py) or short name (flash_attn.py); "
-        "one of: " + ", ".join(p.rsplit("/", 1)[-1] for p in ANNOTATED_FILES),
+        help="a vLLM path (vllm/v1/attention/backends/flash_attn.py) or short name (flash_attn.py, "
+        "paged_attn.py, cpu_attn.py, ...; a name that is not one lists them all)",
     )
     parser.add_argument("--trace", required=True, help="trace directory")
     parser.add_argument("--step", type=int, default=None, help="step to show (default: the first request step)")
-    parser.add_argument("--layer", default=None, help="attention layer (default: the first traced layer)")
+    parser.add_argument(
+        "--layer",
+        default=None,
+        help="attention layer: its index (1), as the tables print it (L1), or its full name "
+        "(default: the first traced layer)",
+    )
     parser.add_argument(
         "--context",
         type=int,
@@ -85,10 +93,14 @@ def build_header(annotated: AnnotatedSource) -> Group:
 
 def build_annotated_table(annotated: AnnotatedSource, context: int | None = None) -> Table:
     """Line numbers, highlighted code and the values beside anchored lines."""
+    from rich.syntax import Syntax
+
     text = "\n".join(line.text for line in annotated.lines)
     highlighted = Syntax(text, "python", theme="ansi_dark").highlight(text).split("\n", allow_blank=True)
     table = Table.grid(padding=(0, 1))
-    table.add_column(justify="right", style="dim", no_wrap=True)
+    # The line numbers' width is fixed: a narrow terminal crops code, never a number to "8…".
+    digits = len(str(len(annotated.lines)))
+    table.add_column(justify="right", style="dim", no_wrap=True, min_width=digits)
     table.add_column(no_wrap=True, overflow="crop")
     table.add_column(overflow="fold")
     for number in visible_lines(annotated, context):
@@ -120,6 +132,8 @@ def build_missing_table(annotated: AnnotatedSource) -> Table:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Print the annotated source."""
+    from annotations import ANNOTATED_FILES, annotate, resolve_file
+
     path = resolve_file(args.file)
     if path is None:
         names = ", ".join(ANNOTATED_FILES)
@@ -129,9 +143,21 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if text is None:
         stored = ", ".join(sorted(trace.run.sources)) or "none"
         raise UsageError(f"the trace has no copy of {path} (stored sources: {stored})")
-    annotated = annotate(text, path, trace, step=args.step, layer=args.layer)
+    annotated = annotate(text, path, trace, step=args.step, layer=resolve_layer(trace, args.layer))
     console.print(build_header(annotated))
     console.print(build_annotated_table(annotated, context=args.context))
     if annotated.missing:
         console.print(build_missing_table(annotated))
     return 0
+
+
+def resolve_layer(trace: Trace, text: str | None) -> str | None:
+    """``--layer`` as a recorded layer's full name: ``1``, ``L1`` or the name itself; None: the default."""
+    if text is None:
+        return None
+    wanted = parse_layer(text)
+    for name in trace.layers:
+        if layer_matches(name, {wanted}):
+            return name
+    known = ", ".join(f"{short_layer(n)} ({n})" if short_layer(n) != n else n for n in trace.layers) or "none"
+    raise UsageError(f"layer {text!r} is not in the trace (recorded layers: {known})")

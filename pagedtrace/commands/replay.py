@@ -14,11 +14,13 @@ import sys
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from pagedtrace.commands import literal, short_layer
+from pagedtrace.terminal import QUIET, Elided, count_elided, elide_passing, make_console, row_limit, verbosity
 
 #: ``--kernel`` choices, as ``reference_impl.replay.KERNELS`` names them.
 KERNEL_CHOICES = ("fast", "loop", "partitioned", "compiled")
@@ -104,8 +106,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     """Replay with a progress bar, print the table (or JSON), save ``replay.json``; 0 if all ok."""
     from pagedtrace.cli import UsageError
-    from reference_impl.compiled import CompiledKernelError
-    from reference_impl.replay import replay_trace, save_report
     from tracer.format import Trace
 
     if args.kernel not in KERNEL_CHOICES:
@@ -116,9 +116,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
         return run_user_kernel(args, console)
     if args.device is not None:
         raise UsageError("--device applies to a MODULE:FUNCTION kernel only (the reference runs on the CPU)")
-    trace = Trace.open(args.trace)
+    trace = Trace.open(args.trace)  # a wrong path is answered before torch loads (seconds)
+    from reference_impl.compiled import CompiledKernelError
+    from reference_impl.replay import replay_trace, save_report
+
     # With --json stdout holds the JSON and nothing else: progress and log lines go to stderr.
-    log_console = Console(stderr=True) if args.json else console
+    log_console = make_console(stderr=True) if args.json else console
+    quiet = verbosity(args) == QUIET
+    if args.kernel == "compiled" and not quiet:
+        announce_compiled_build(log_console)
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}", markup=False),  # names a path
@@ -127,7 +133,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         TimeElapsedColumn(),
         console=log_console,
         transient=True,
-        disable=args.json or not console.is_terminal,
+        disable=args.json or quiet or not console.is_terminal,
     ) as progress:
         task = progress.add_task(f"replaying {trace.path.name} ({args.kernel})", total=None)
 
@@ -157,10 +163,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         console.out(json.dumps(report.to_json(), indent=2), highlight=False)
         return 0 if report.ok else 1
+    limit = row_limit(args)
     if report.steps:
-        console.print(build_replay_table(report))
+        console.print(build_replay_table(report, limit=limit))
     else:
-        console.print(build_metadata_table(report))
+        console.print(build_metadata_table(report, limit=limit))
     for line in metadata_problems(report):
         console.print(line)
     if report.steps and report.layout != report.recorded_layout:
@@ -191,8 +198,11 @@ def _mark(ok: bool | None) -> str:
     return "[green]ok[/]" if ok else "[bold red]FAIL[/]"
 
 
-def build_replay_table(report) -> Table:
-    """One row per replayed (step, layer): errors, tolerance, heads, write path, legacy path."""
+def build_replay_table(report, limit: int | None = None) -> Table:
+    """One row per replayed (step, layer): errors, tolerance, heads, write path, legacy path.
+
+    More than ``limit`` rows: the failing ones and the first and last, the rest counted in one row.
+    """
     table = Table(
         title=literal(f"replay ({report.kernel} kernel, KV layout {report.layout})"),
         box=box.SIMPLE_HEAD,
@@ -209,7 +219,11 @@ def build_replay_table(report) -> Table:
     writes = {(w.step, w.layer): w for w in report.write_path}
     legacies = {(c.step, c.layer): c for c in report.legacy}
     metadata = _metadata_by_record(report)
-    for r in report.steps:
+    for r in elide_passing(report.steps, limit, lambda r: _record_ok(r, writes, legacies, metadata)):
+        if isinstance(r, Elided):
+            table.add_row("…", *[""] * 11)
+            count_elided(table, r.count)
+            continue
         write = writes.get((r.step, r.layer))
         legacy = legacies.get((r.step, r.layer))
         heads_ok = sum(h.ok for h in r.heads)
@@ -220,7 +234,7 @@ def build_replay_table(report) -> Table:
         )
         meta = metadata.get((r.step, r.layer), [])
         meta_ok = None if not meta else all(c.ok for c in meta)
-        verdict = r.ok and (write is None or write.ok) and (legacy is None or legacy.ok) and meta_ok is not False
+        verdict = _record_ok(r, writes, legacies, metadata)
         table.add_row(
             str(r.step),
             literal(short_layer(r.layer)),
@@ -238,6 +252,21 @@ def build_replay_table(report) -> Table:
     return table
 
 
+def _record_ok(r, writes: dict, legacies: dict, metadata: dict) -> bool:
+    """A replayed record's whole verdict: attention, write path, legacy path and metadata."""
+    write, legacy = writes.get((r.step, r.layer)), legacies.get((r.step, r.layer))
+    meta = metadata.get((r.step, r.layer), [])
+    return bool(r.ok and (write is None or write.ok) and (legacy is None or legacy.ok) and all(c.ok for c in meta))
+
+
+def announce_compiled_build(console: Console) -> None:
+    """One line before the compiled kernel's first build (~30 s, then cached by torch): not a silent minute."""
+    from reference_impl.compiled import is_built
+
+    if not is_built():
+        console.print(literal("building the compiled kernel (first use, ~30 s)…", "dim"), soft_wrap=True)
+
+
 def _metadata_by_record(report) -> dict[tuple[int, str], list]:
     out: dict[tuple[int, str], list] = {}
     for c in report.metadata:
@@ -245,7 +274,7 @@ def _metadata_by_record(report) -> dict[tuple[int, str], list]:
     return out
 
 
-def build_metadata_table(report) -> Table:
+def build_metadata_table(report, limit: int | None = None) -> Table:
     """One row per (step, layer), one column per metadata check: for a trace without tensors."""
     from tracer.format.metadata import METADATA_CHECKS
 
@@ -254,7 +283,13 @@ def build_metadata_table(report) -> Table:
     )
     for col in ("step", "layer", "kind", *METADATA_CHECKS):
         table.add_column(col, justify="right" if col == "step" else "left", no_wrap=True)
-    for (step, layer), checks in _metadata_by_record(report).items():
+    groups = list(_metadata_by_record(report).items())
+    for item in elide_passing(groups, limit, lambda g: all(c.ok for c in g[1])):
+        if isinstance(item, Elided):
+            table.add_row("…", *[""] * (len(table.columns) - 1))
+            count_elided(table, item.count)
+            continue
+        (step, layer), checks = item
         by_name = {c.check: c for c in checks}
         cells = [
             _mark(None)
@@ -299,6 +334,17 @@ def _metadata_summary(report) -> str:
     return f"metadata consistent on {records} record(s) ({len(report.metadata)} checks)"
 
 
+def _records_text(records) -> str:
+    """``12 steps × 2 layers`` (or ``6 step(s)`` for one layer; ``24 records: 12 steps, 2 layers`` when ragged)."""
+    steps = len({r.step for r in records})
+    layers = len({r.layer for r in records})
+    if layers <= 1:
+        return f"{len(records)} step(s)"
+    if steps * layers == len(records):
+        return f"{steps} step{'s' if steps > 1 else ''} × {layers} layers"
+    return f"{len(records)} records: {steps} steps, {layers} layers"
+
+
 def _summary(report) -> str:
     n = len(report.steps)
     if not n:
@@ -310,8 +356,9 @@ def _summary(report) -> str:
     worst = max(report.steps, key=lambda r: r.max_abs / r.tol if r.tol > 0 else math.inf)
     if report.ok:
         return (
-            f"[bold green]all {n} step(s) match[/]: vLLM's output is attention within tolerance "
-            f"(worst: step {worst.step}, max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
+            f"[bold green]all {_records_text(report.steps)} match[/]: vLLM's output is attention within tolerance "
+            f"(worst by error/tolerance: step {worst.step} {escape(short_layer(worst.layer))}, "
+            f"max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
             f"max rel {_num(worst.max_rel)}); {len(report.write_path)} write path(s) bit-exact, "
             f"legacy x-split layout gives identical output; {_metadata_summary(report)}; {report.seconds:.2f} s"
         )
@@ -319,7 +366,7 @@ def _summary(report) -> str:
     bad_writes = sum(not w.ok for w in report.write_path)
     bad_legacy = sum(not c.ok for c in report.legacy)
     return (
-        f"[bold red]MISMATCH[/]: {bad_steps}/{n} step(s) outside tolerance, "
+        f"[bold red]MISMATCH[/]: {bad_steps} of {_records_text(report.steps)} outside tolerance, "
         f"{bad_writes}/{len(report.write_path)} write path(s) wrong, "
         f"{bad_legacy}/{len(report.legacy)} legacy round trip(s) differ; {_metadata_summary(report)}; "
         f"{report.seconds:.2f} s"
@@ -332,8 +379,10 @@ def _summary(report) -> str:
 def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
     """Check ``--kernel MODULE:FUNCTION`` on every captured request step; 0 if all match, 1 if not."""
     from pagedtrace.cli import UsageError
-    from reference_impl.testing import check_trace, load_kernel
     from tracer.format import Trace
+
+    trace = Trace.open(args.trace)  # before torch and the user's module load
+    from reference_impl.testing import check_trace, load_kernel
 
     # As ``python -m`` does: a kernel module in the current directory imports.
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -342,7 +391,6 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
         fn = load_kernel(args.kernel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    trace = Trace.open(args.trace)
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}", markup=False),  # names a path
@@ -405,8 +453,9 @@ def build_kernel_table(report) -> Table:
             if r.heads and heads_ok == len(r.heads)
             else (f"[red]{heads_ok}/{len(r.heads)}[/]" if r.heads else "[dim]-[/]")
         )
-        # (token, head, dim, request) -> "head 2 tok 185 req 1"
-        worst = "[dim]-[/]" if r.worst is None else f"head {r.worst[1]} tok {r.worst[0]} req {r.worst[3]}"
+        # -> "head 2 req 1 pos 57 blk 7": the row's request, the token's position, its physical block
+        w = r.worst
+        worst = "[dim]-[/]" if w is None else f"head {w.head} req {w.request} pos {w.position} blk {w.block}"
         table.add_row(
             str(r.step),
             literal(r.layer),
@@ -430,7 +479,7 @@ def _kernel_summary(report) -> Text:
         worst = max(report.results, key=lambda r: r.max_abs / r.tol if r.tol > 0 else math.inf)
         return Text.assemble(
             (f"{report.kernel} matches vLLM on all {n} step(s)", "bold green"),
-            f" (worst: step {worst.step}, max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
+            f" (worst by error/tolerance: step {worst.step}, max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
             f"max rel {_num(worst.max_rel)}); {report.seconds:.2f} s",
         )
     bad = [r for r in report.results if not r.ok]

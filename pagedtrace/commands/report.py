@@ -1,17 +1,41 @@
-"""``pagedtrace report TRACE -o DIR``: write the static HTML report of a trace."""
+"""``pagedtrace report TRACE -o DIR``: write the static HTML report of a trace.
+
+The site builder (``reports``) never imports torch. This command may: it runs one captured
+query through the reference loop (``reference_impl.stepper.walk_query``) and hands the
+torch-free record (``tracer.format.walk.QueryWalk``) to the builder for the tour, and with
+``--replay`` it replays the trace in memory and shows those verdicts, writing nothing into
+the trace (the committed fixtures live in the repository). Computed here rather than read
+from a file in the trace, the tour's values always match the kernel the tour shows.
+"""
 
 from __future__ import annotations
 
 import argparse
 import time
+import webbrowser
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from pagedtrace.cli import UsageError
-from reports.build import BuildResult, write_report
-from reports.step_pages import MAX_REQUEST_PAGES
+from tracer.format import ReplayReport, Trace, TraceError
+from tracer.format.walk import QueryWalk
+
+if TYPE_CHECKING:  # jinja2 and libcst load when a report is written, not when the CLI parses
+    from reports.build import BuildResult
+
+#: ``reports.step_pages.MAX_REQUEST_PAGES``, repeated so that building the parser imports no
+#: jinja2 or libcst (``tests/test_terminal.py`` checks that the two agree).
+MAX_REQUEST_PAGES = 200
+
+
+def write_report(*args, **kwargs):
+    """``reports.build.write_report``, imported when a report is written."""
+    from reports.build import write_report as write
+
+    return write(*args, **kwargs)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,6 +54,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="N",
         help=f"write a page for at most N request steps (default {MAX_REQUEST_PAGES}); the index lists them all",
     )
+    parser.add_argument(
+        "--force", action="store_true", help="write into a non-empty directory that is not a pagedtrace report"
+    )
+    parser.add_argument("--open", action="store_true", help="open index.html in a web browser when done")
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="replay the trace in memory and show the verdicts (replay.json is not written into the trace)",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -47,16 +80,62 @@ def build_result_table(result: BuildResult, seconds: float) -> Table:
     return table
 
 
+def tour_walk(trace: Trace) -> tuple[QueryWalk | None, str]:
+    """One real query through the reference loop for the tour, or None and why not."""
+    from reports.tour import walk_target
+
+    target = walk_target(trace)
+    if target is None:
+        return None, "No trace values beside the loop: no request step of this trace has tensors to run it on."
+    try:
+        from reference_impl.stepper import walk_query
+    except ImportError as exc:
+        return None, f"No trace values beside the loop: the reference kernel could not be imported here ({exc})."
+    step, request, layer = target
+    try:
+        return walk_query(trace, step, request, 0, layer=layer), ""
+    except (TraceError, RuntimeError, ValueError) as exc:
+        return None, f"No trace values beside the loop: walking step {step} failed ({exc})."
+
+
+def replay_in_memory(trace: Trace) -> ReplayReport:
+    """Replay every step with tensors, as ``pagedtrace replay`` does, without saving ``replay.json``."""
+    from reference_impl.replay import replay_trace
+
+    return replay_trace(trace)
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     """Build the report and say where it is."""
+    from reports.build import OutputDirError, check_output_dir
+
     if args.max_step_pages < 0:
         raise UsageError("--max-step-pages must be 0 or more")
     start = time.perf_counter()
     try:
+        check_output_dir(args.output, args.force)  # before any replay: a refused -o fails fast
         with console.status("building report"):
-            result = write_report(args.trace, args.output, max_step_pages=args.max_step_pages)
+            trace = Trace.open(args.trace, strict=False)
+            walk, walk_note = tour_walk(trace)
+            replay = replay_in_memory(trace) if args.replay else None
+            result = write_report(
+                args.trace,
+                args.output,
+                max_step_pages=args.max_step_pages,
+                walk=walk,
+                walk_note=walk_note,
+                replay=replay,
+                force=args.force,
+            )
+    except OutputDirError as exc:
+        raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(f"cannot write the report to {args.output}: {exc.strerror or exc}") from None
     console.print(Text.assemble(("report written:", "bold green"), " ", str(result.index)), highlight=False)
     console.print(build_result_table(result, time.perf_counter() - start))
+    if replay is not None:
+        verdict = "all replayed steps agree" if replay.ok else "some steps disagree"
+        console.print(Text(f"replay (in memory, not saved): {verdict}"), highlight=False)
+    if args.open:
+        webbrowser.open(result.index.resolve().as_uri())
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -11,7 +12,11 @@ from rich.table import Table
 from rich.text import Text
 
 from pagedtrace.commands import literal, short_layer
+from pagedtrace.terminal import QUIET, VERBOSE, Elided, elide, make_console, row_limit, verbosity
 from tracer.format import Trace, TraceError, parse_steps
+
+#: vLLM's log level per ``--quiet`` / (neither) / ``--verbose``; the lines go to stderr.
+VLLM_LOG_LEVELS = {QUIET: "ERROR", 0: "WARNING", VERBOSE: "INFO"}
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -108,16 +113,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    """Run the session with progress bars, then print the summary."""
+    """Check the arguments, run the session with progress bars (stderr), then print the summary (stdout).
+
+    Every argument is checked before the engine starts (``tracer.session.validate_config``):
+    a wrong one is one line and exit 2, with no directory created.
+    """
     from pagedtrace.cli import UsageError
-    from tracer.session import SessionConfig, SessionError, run_session
+    from tracer.session import SessionConfig, SessionError, run_session, validate_config
 
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out} exists and is not an empty directory: choose a new --out")
-    for name in ("prompts", "max_tokens", "shared_prefix"):
-        if getattr(args, name) < (1 if name != "shared_prefix" else 0):
-            raise UsageError(f"--{name.replace('_', '-')} must be positive")
     cfg = SessionConfig(
         trace_dir=str(out),
         model=args.model,
@@ -141,14 +145,24 @@ def run(args: argparse.Namespace, console: Console) -> int:
         flash_attn_version=args.flash_attn_version,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    try:
+        validate_config(cfg)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    level = verbosity(args)
+    # The user's VLLM_LOGGING_LEVEL stands unless --quiet or --verbose says otherwise.
+    log_level = None if level == 0 and "VLLM_LOGGING_LEVEL" in os.environ else VLLM_LOG_LEVELS[level]
+    # Progress and vLLM's logs on stderr, results on stdout: `pagedtrace run > summary.txt` works.
+    err = make_console(stderr=True)
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}", markup=False),  # the model name is the user's text
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=console,
+        console=err,
         transient=False,
+        disable=level == QUIET,
     ) as progress:
         tasks: dict[str, TaskID] = {}
 
@@ -163,10 +177,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 progress.advance(tasks[what], value)
 
         try:
-            result = run_session(cfg, on_event)
+            result = run_session(cfg, on_event, log_level=log_level)
         except (ValueError, FileExistsError, SessionError) as exc:
             raise UsageError(str(exc)) from None
-    progress.console.log(f"engine start {result.engine_start_s:.1f} s, generation {result.generate_s:.1f} s")
+    if level != QUIET:
+        err.print(literal(f"engine start {result.engine_start_s:.1f} s, generation {result.generate_s:.1f} s", "dim"))
     # The tokens first: they are the session's result even when the trace could not be saved.
     console.print(build_tokens_table(result))
     for warning in result.warnings:
@@ -178,7 +193,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     except TraceError as exc:
         problem = problem or str(exc)
     if trace is not None:
-        console.print(build_summary_table(trace))
+        console.print(build_summary_table(trace, limit=row_limit(args)))
         console.print(build_kv_table(trace))
     if problem:
         kept = f"; what was written opens with strict=False ({len(trace.records)} records)" if trace else ""
@@ -212,11 +227,20 @@ def build_tokens_table(result) -> Table:
     return table
 
 
-def build_summary_table(trace: Trace) -> Table:
-    """Steps by kind, requests, blocks in use and shared blocks."""
+def build_summary_table(trace: Trace, limit: int | None = None) -> Table:
+    """Steps by kind, requests, blocks in use and shared blocks.
+
+    More than ``limit`` steps: the first and last ones, and a row counting the rest.
+    """
     table = Table(title=literal(f"trace {trace.path}"), show_lines=False)
     for col in ("step", "kind", "layer", "reqs", "tokens", "seq_lens", "blocks in use", "shared", "tensors"):
-        table.add_column(col, justify="right" if col in ("step", "reqs", "tokens", "blocks in use") else "left")
+        table.add_column(
+            col,
+            justify="right" if col in ("step", "reqs", "tokens", "blocks in use") else "left",
+            # A narrow terminal wraps seq_lens, never cuts a kind to "profi…".
+            no_wrap=col in ("step", "kind", "layer"),
+            min_width=7 if col == "kind" else None,
+        )
     rows: list[tuple[int, list[str | Text]]] = []
     for r in trace.records:
         used = {b for row in r.block_table for b in row}
@@ -255,8 +279,17 @@ def build_summary_table(trace: Trace) -> Table:
                 ],
             )
         )
-    for _, cells in sorted(rows, key=lambda x: x[0]):
-        table.add_row(*cells)
+    by_step: dict[int, list[list[str | Text]]] = {}
+    for step, cells in sorted(rows, key=lambda x: x[0]):
+        by_step.setdefault(step, []).append(cells)
+    for group in elide(list(by_step.values()), limit):
+        if isinstance(group, Elided):
+            # In seq_lens, the one column that wraps: the others keep their width.
+            more = literal(f"… {group.count} more steps (--verbose shows them)", "dim")
+            table.add_row("…", "", "", "", "", more, "", "", "")
+            continue
+        for cells in group:
+            table.add_row(*cells)
     return table
 
 

@@ -1,7 +1,8 @@
 """Step and layer selection: the ``--steps`` / ``--layers`` syntax, parsed once for every room.
 
 ``START:STOP`` step ranges are half-open and 0-based, as ``StepRecord.step``; layers are
-named in full (``model.layers.7.self_attn.attn``) or by their index (``7``). The tracer
+named in full (``model.layers.7.self_attn.attn``), by their index (``7``) or as the CLI's
+tables print them (``L7``). The tracer
 (``PAGEDTRACE_STEPS`` / ``PAGEDTRACE_LAYERS``), replay, the kernel checks and the CLI
 all read selections through these functions.
 """
@@ -12,8 +13,10 @@ from collections.abc import Collection
 
 __all__ = [
     "StepRange",
+    "check_steps",
     "layer_index",
     "layer_matches",
+    "parse_layer",
     "parse_layers",
     "parse_steps",
     "step_in_range",
@@ -55,21 +58,47 @@ def parse_layers(text: str) -> str | tuple[str | int, ...]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise ValueError(f"bad layer selection {text!r}: use 'first', 'all' or indices/names")
-    return tuple(int(t) if t.isdigit() else t for t in items)
+    return tuple(parse_layer(t) for t in items)
+
+
+def parse_layer(text: str) -> str | int:
+    """One layer: ``7`` or ``L7`` (as the tables print it) -> 7; a name stays a string."""
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    if text[:1] in ("L", "l") and text[1:].isdigit():
+        return int(text[1:])
+    return text
 
 
 def parse_steps(text: str) -> StepRange:
     """``'3:10'`` -> (3, 10); ``''`` or ``':'`` -> unbounded; ``'5'`` -> (5, 6).
 
-    A ``ValueError`` for anything else.
+    A ``ValueError`` for anything else, and for a range that selects nothing (``5:2``, ``3:3``)
+    or a negative index: such a selection is always a typo, never a wish for an empty trace.
     """
     text = text.strip()
     if not text or text == ":":
         return (None, None)
+    start: int | None
+    stop: int | None
     try:
         if ":" not in text:
-            return (int(text), int(text) + 1)
-        a, b = text.split(":", 1)
-        return (int(a) if a else None, int(b) if b else None)
+            start, stop = int(text), int(text) + 1
+        else:
+            a, b = text.split(":", 1)
+            start, stop = (int(a) if a else None, int(b) if b else None)
     except ValueError:
         raise ValueError(f"bad step range {text!r}: use START:STOP (e.g. 0:100)") from None
+    check_steps((start, stop), text)
+    return (start, stop)
+
+
+def check_steps(steps: StepRange, text: str | None = None) -> None:
+    """A ``ValueError`` unless ``steps`` is a non-empty range of non-negative step indices."""
+    start, stop = steps
+    shown = text if text is not None else f"{'' if start is None else start}:{'' if stop is None else stop}"
+    if (start is not None and start < 0) or (stop is not None and stop < 0):
+        raise ValueError(f"bad step range {shown!r}: step indices start at 0")
+    if start is not None and stop is not None and stop <= start:
+        raise ValueError(f"bad step range {shown!r}: STOP ({stop}) must be greater than START ({start}) (half-open)")

@@ -1,0 +1,133 @@
+"""The CLI's terminal habits: one console per run, plain and full width when piped, short tables.
+
+A terminal gets rich's usual output at its own width. Anything else (``| less``, ``> file``,
+a subprocess pipe) gets plain text (rich drops colours off a terminal) at
+:data:`PIPED_WIDTH`, so tables keep every column whole instead of falling to rich's 80-column
+default and cutting values to ``8…``; a pager or editor scrolls sideways where needed.
+
+Long tables are shortened to their first and last rows around one "… N more" row
+(:func:`elide`), unless ``--verbose`` asks for all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Generic, TypeVar
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+#: Width of output that does not go to a terminal: wide enough that no table shrinks a column.
+PIPED_WIDTH = 10_000
+
+#: Rows a long table keeps without ``--verbose`` (the first ones and a few of the last).
+MAX_TABLE_ROWS = 20
+#: Of :data:`MAX_TABLE_ROWS`, the rows kept from the end.
+TAIL_ROWS = 5
+
+#: ``args.verbosity``: ``--quiet``, neither, ``--verbose``.
+QUIET, NORMAL, VERBOSE = -1, 0, 1
+
+T = TypeVar("T")
+
+
+_TRAILING = re.compile(r"[ \t]+(?=\n)")
+
+
+class PlainFile:
+    """A text stream that drops the spaces rich pads table rows with before each newline.
+
+    Off a terminal rich writes no escape codes, so the padding is all that ends a line with
+    blanks; a file or a pager then holds the text as typed.
+    """
+
+    def __init__(self, stream: IO[str]):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        """Write ``text`` without trailing blanks on its lines."""
+        return self.stream.write(_TRAILING.sub("", text))
+
+    def flush(self) -> None:
+        """Flush the stream."""
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        """False: this wraps only streams that are not terminals."""
+        return False
+
+    @property
+    def encoding(self) -> str:
+        """The stream's encoding (rich asks, to choose box characters)."""
+        return getattr(self.stream, "encoding", None) or "utf-8"
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """A console for stdout (or stderr): the terminal's width on a terminal, plain full width off one.
+
+    Off a terminal: :data:`PIPED_WIDTH` wide (``COLUMNS`` is ignored on purpose: piped output
+    is for reading whole), no colours, no trailing blanks (:class:`PlainFile`).
+    """
+    console = Console(stderr=stderr)
+    if console.is_terminal:
+        return console
+    plain = PlainFile(sys.stderr if stderr else sys.stdout)
+    return Console(file=plain, width=PIPED_WIDTH)  # type: ignore[arg-type]  # write/flush/isatty suffice
+
+
+def verbosity(args: argparse.Namespace) -> int:
+    """:data:`QUIET`, :data:`NORMAL` or :data:`VERBOSE`, from ``--quiet`` / ``--verbose``."""
+    if getattr(args, "quiet", False):
+        return QUIET
+    return VERBOSE if getattr(args, "verbose", False) else NORMAL
+
+
+def row_limit(args: argparse.Namespace) -> int | None:
+    """Rows a long table may print: None (all of them) with ``--verbose``."""
+    return None if verbosity(args) == VERBOSE else MAX_TABLE_ROWS
+
+
+@dataclass(frozen=True)
+class Elided(Generic[T]):
+    """Stands for ``count`` rows left out of a table, where they were."""
+
+    count: int
+
+
+def elide(rows: Sequence[T], limit: int | None, *, tail: int = TAIL_ROWS) -> list[T | Elided[T]]:
+    """``rows`` if at most ``limit``, else the first ``limit - tail``, an :class:`Elided`, the last ``tail``.
+
+    ``limit=None`` keeps every row. A table prints the marker as ``… N more <things>``.
+    """
+    if limit is None or len(rows) <= limit:
+        return list(rows)
+    tail = min(tail, max(limit - 1, 0))
+    head = limit - tail
+    return [*rows[:head], Elided(len(rows) - head - tail), *rows[len(rows) - tail :]]
+
+
+def count_elided(table: Table, count: int) -> None:
+    """Say under the table how many ok rows its "…" rows stand for (the columns do not wrap)."""
+    before = int(table.caption.plain.split()[1]) if isinstance(table.caption, Text) else 0
+    table.caption = Text(f"… {before + count} more (step, layer) rows, all ok (--verbose shows them)", style="dim")
+
+
+def elide_passing(rows: list, limit: int | None, ok) -> list:
+    """:func:`elide` that never hides a failing row (``ok(row)`` false): the ok rows between are counted."""
+    if limit is None or len(rows) <= limit:
+        return list(rows)
+    shown = {id(x) for x in elide(rows, limit)}
+    out: list = []
+    for row in rows:
+        if id(row) in shown or not ok(row):
+            out.append(row)
+        elif out and isinstance(out[-1], Elided):
+            out[-1] = Elided(out[-1].count + 1)
+        else:
+            out.append(Elided(1))
+    return out
