@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from annotations.anchors import CPU_ATTN, FILE_ROLES, FLASH_ATTN, OFF_PATH_FILES, PAGED_ATTN
 from annotations.locate import LocatedSource, locate
+from annotations.value_text import COMPUTED_PREFIX
 from annotations.values import CPU_LAYOUTS, Value, cpu_region_text, split_kv_cache_summary, value_for
 from tracer.format import RunInfo, StepRecord, TraceError
 
@@ -23,6 +24,19 @@ if TYPE_CHECKING:
 
 class StepNotFound(TraceError):
     """The step (or layer) asked for is not among the trace's records."""
+
+
+#: Fixed openings some value texts carry (what the value is, not the value): said once, beside
+#: the value's label, so that the line itself shows the value.
+PREAMBLES = (COMPUTED_PREFIX,)
+
+
+def split_preamble(text: str) -> tuple[str, str]:
+    """``(preamble, value)``: a text's fixed opening (``""`` when none) and the value after it."""
+    for preamble in PREAMBLES:
+        if text.startswith(preamble):
+            return preamble.rstrip(": "), text[len(preamble) :]
+    return "", text
 
 
 @dataclass(frozen=True)
@@ -35,6 +49,16 @@ class Note:
     text: str  #: the value, or why the anchor is missing
     kind: str  #: ``captured`` / ``computed`` / ``static`` (see ``annotations.values``) or ``missing``
     tour: str = ""  #: reading-checklist stop
+
+    @property
+    def value_text(self) -> str:
+        """The value alone, for beside the line: ``text`` without its preamble (the label goes elsewhere)."""
+        return split_preamble(self.text)[1]
+
+    @property
+    def preamble(self) -> str:
+        """What kind of value ``text`` is, when it says so in a fixed opening (``""`` otherwise)."""
+        return split_preamble(self.text)[0]
 
 
 @dataclass(frozen=True)
@@ -173,6 +197,13 @@ class AnchorValues:
         if self.static is not None:
             return self.static
         return None if index is None or not self.per_step else self.per_step[index]
+
+    @property
+    def preamble(self) -> str:
+        """The fixed opening every value of this anchor shares (``""`` when they do not all share one)."""
+        values = [v for v in ((self.static,) if self.static is not None else self.per_step) if v is not None]
+        preambles = {split_preamble(v.text)[0] for v in values}
+        return preambles.pop() if len(preambles) == 1 else ""
 
 
 @dataclass(frozen=True)

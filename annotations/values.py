@@ -69,10 +69,16 @@ def computed_slots(record: StepRecord, block_size: int) -> list[list[int]]:
     return out
 
 
-def _per_request(lists: Sequence[Sequence[int | str]], limit: int = 4) -> str:
+def request_label(rec: StepRecord, row: int) -> str:
+    """A block-table row by its request id (``r<row>`` when the trace has none): ids survive reordering."""
+    rid = rec.request_ids[row] if row < len(rec.request_ids) else ""
+    return rid or f"r{row}"
+
+
+def _per_request(lists: Sequence[Sequence[int | str]], rec: StepRecord, limit: int = 4) -> str:
     parts = []
     for i, values in enumerate(lists[:limit]):
-        parts.append(f"r{i}: {fmt_list(values, 8)}")
+        parts.append(f"{request_label(rec, i)}: {fmt_list(values, 8)}")
     if len(lists) > limit:
         parts.append(f"… +{len(lists) - limit} requests")
     return "; ".join(parts) if parts else "(no requests)"
@@ -188,7 +194,7 @@ def _max_seq_len(rec: StepRecord, run) -> Value:
 
 @needs_step
 def _block_table(rec: StepRecord, run) -> Value:
-    rows = [f"r{i} {fmt_list(row, 8)}" for i, row in enumerate(rec.block_table[:4])]
+    rows = [f"{request_label(rec, i)} {fmt_list(row, 8)}" for i, row in enumerate(rec.block_table[:4])]
     if len(rec.block_table) > 4:
         rows.append(f"… +{len(rec.block_table) - 4} rows")
     return Value(f"block_table ({rec.num_reqs} rows): " + "; ".join(rows))
@@ -306,7 +312,7 @@ def _with_bs(fn: Callable[[StepRecord, int], Value]) -> ValueFn:
 @_with_bs
 def _slot_block_indices(rec: StepRecord, bs: int) -> Value:
     lists = [[p // bs for p in positions] for positions in token_positions(rec)]
-    return Value(f"pos // {bs}: {_per_request(lists)}", "computed")
+    return Value(f"pos // {bs}: {_per_request(lists, rec)}", "computed")
 
 
 @_with_bs
@@ -314,13 +320,13 @@ def _slot_block_numbers(rec: StepRecord, bs: int) -> Value:
     lists = []
     for row, positions in zip(rec.block_table, token_positions(rec), strict=False):
         lists.append([row[p // bs] if p // bs < len(row) else "?" for p in positions])
-    return Value(f"block_table[req, pos // {bs}]: {_per_request(lists)}", "computed")
+    return Value(f"block_table[req, pos // {bs}]: {_per_request(lists, rec)}", "computed")
 
 
 @_with_bs
 def _slot_offsets(rec: StepRecord, bs: int) -> Value:
     lists = [[p % bs for p in positions] for positions in token_positions(rec)]
-    return Value(f"pos % {bs}: {_per_request(lists)}", "computed")
+    return Value(f"pos % {bs}: {_per_request(lists, rec)}", "computed")
 
 
 @_with_bs
@@ -335,7 +341,7 @@ def _slot_ids(rec: StepRecord, bs: int) -> Value:
             (i for i, (a, b) in enumerate(zip(flat, captured, strict=False)) if a != b), min(len(flat), len(captured))
         )
         check = f"differs from the captured slot_mapping at token {first}"
-    return Value(f"slot = block * {bs} + offset: {_per_request(per_req)} ({check})", "computed")
+    return Value(f"slot = block * {bs} + offset: {_per_request(per_req, rec)} ({check})", "computed")
 
 
 #: value key (``Anchor.value``) -> function ``(record or None, run) -> Value or None``.

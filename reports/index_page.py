@@ -50,6 +50,11 @@ GAP_EXPLANATIONS = {
     "(attn_metadata is None): attention is skipped, so there is nothing to record.",
     "cuda-graph-capture": "vLLM was capturing CUDA graphs for these batch sizes, and the hook copies nothing "
     "while a graph is being captured. These are warm-up batches, not requests.",
+    "empty-step": "The engine called the model runner with no tokens scheduled: vLLM's scheduler hands the "
+    "worker the ids of finished requests in the step after they finish (EngineCore keeps stepping while "
+    "finished requests remain to be reported: vllm serve shows one after each request), and the V2 runner's "
+    "warm-up ends with such a step to free its fake requests. execute_model updates its request states and "
+    "returns before the model runs: no attention ran, nothing to record.",
     "cuda-graph-replay": "These steps replayed a captured CUDA graph (cudagraph_mode {mode}): attention ran "
     "inside the graph on the device and the Python forward() that the hook wraps was never called. {advice}",
 }
@@ -133,6 +138,71 @@ def _gap_rows(gaps: list[GapRecord]) -> list[StepRow]:
     return rows
 
 
+#: Steps numbered but neither recorded nor a gap (traces from before the ``empty-step`` gap).
+UNRECORDED_WHY = (
+    "The tracer counted a model-runner call here (each execute_model at the top level is a step), but "
+    "attention never ran on the traced layers and this trace has no gap for it. In vLLM 0.26 that is an "
+    "execute_model with no tokens scheduled, which returns before the model runs; tracers from this version "
+    "on record it as an empty-step gap."
+)
+
+
+@dataclass(frozen=True)
+class UnrecordedStep:
+    """A step number with neither a record nor a gap, and why."""
+
+    step: int
+    why: str
+
+
+def unrecorded_steps(trace: Trace) -> tuple[UnrecordedStep, ...]:
+    """Steps between the first and last known ones with no record and no gap, each with its likely cause.
+
+    The cause comes from the neighbours: after the V2 runner's warm-up batches, the warm-up's cleanup
+    step; after a step whose requests do not all continue, the step that frees the finished requests.
+    Steps outside the trace's ``--steps`` range are not listed (they were not traced on purpose).
+    """
+    by_step: dict[int, list[str]] = {}
+    kinds: dict[int, str] = {}
+    for r in trace.records:
+        by_step.setdefault(r.step, list(r.request_ids))
+        kinds.setdefault(r.step, r.kind)
+    known = set(by_step) | {g.step for g in trace.gaps}
+    if not known:
+        return ()
+    lo, hi = min(known), max(known)
+    window = trace.run.options.get("steps") if isinstance(trace.run.options, dict) else None
+    if isinstance(window, (list, tuple)) and len(window) == 2:
+        start, stop = window
+        lo = max(lo, start) if isinstance(start, int) else lo
+        hi = min(hi, stop - 1) if isinstance(stop, int) else hi
+    recorded = sorted(by_step)
+    out = []
+    for step in range(lo, hi + 1):
+        if step in known:
+            continue
+        before = max((s for s in recorded if s < step), default=None)
+        after = min((s for s in recorded if s > step), default=None)
+        if before is not None and kinds[before] == "warmup" and (after is None or kinds[after] == "request"):
+            why = (
+                f"after the warm-up batch of step {before}: the V2 runner ends its warm-up with an execute_model "
+                "that schedules nothing and frees the fake warm-up requests (finished_req_ids), so no attention ran."
+            )
+        else:
+            continuing = set(by_step[after]) if after is not None else set()
+            gone = [] if before is None else [r for r in by_step[before] if r and r not in continuing]
+            if gone:
+                shown = ", ".join(gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+                why = (
+                    f"request{'s' if len(gone) > 1 else ''} {shown} finished in step {before}: the scheduler's "
+                    "next step carried only the finished ids to the worker (no tokens scheduled), so no attention ran."
+                )
+            else:
+                why = "an execute_model with no tokens scheduled (no attention ran), as far as the trace shows."
+        out.append(UnrecordedStep(step, why))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class FileRow:
     """One annotated source file on the index."""
@@ -160,6 +230,9 @@ class IndexPage:
     replay_checks: tuple[Row, ...]
     problems: tuple[str, ...]
     pages_note: str  #: how many steps got a page, when not all did
+    replay_origin: str = ""  #: where the verdicts come from ("" when there are none)
+    unrecorded: tuple[UnrecordedStep, ...] = ()  #: step numbers with no record and no gap
+    unrecorded_why: str = UNRECORDED_WHY
 
 
 def _short(values: tuple[int, ...], limit: int = 6) -> str:
@@ -246,6 +319,9 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
             )
         )
     rows += _gap_rows(list(trace.gaps))
+    unrecorded = unrecorded_steps(trace)
+    for u in unrecorded:
+        rows.append(StepRow(u.step, "", False, 0, "", "", "", "", Verdict("none", u.why), "", str(u.step)))
     rows.sort(key=lambda row: (row.step, not row.recorded))
     files = []
     for path in ANNOTATED_FILES:
@@ -292,4 +368,6 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
         replay_checks=replay.checks,
         problems=problems,
         pages_note=pages_note,
+        replay_origin=replay.origin if replay.present else "",
+        unrecorded=unrecorded,
     )

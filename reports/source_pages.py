@@ -10,19 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from annotations.annotate import AnnotatedFile
+from annotations.annotate import AnnotatedFile, split_preamble
 from annotations.values import Value
-from reports.common import Link, Row, Token, highlight
+from reports.common import Link, Row, Token, highlight, step_page
 
 
 @dataclass(frozen=True)
 class LineNote:
-    """A value shown beside a line (for the page's default step; ``text`` is "" when there is none)."""
+    """A value shown beside a line (for the page's default step; ``text`` is "" when there is none).
+
+    ``text`` is the value alone: its label and any fixed preamble are said once, in the
+    line's panel and in the note's tooltip, so that the line has room for the value.
+    """
 
     key: str
     label: str
     text: str
     kind: str
+    title: str  #: tooltip: label, preamble and value
 
 
 @dataclass(frozen=True)
@@ -58,14 +63,26 @@ class SourcePage:
     options: tuple[StepOption, ...]
     data: dict[str, Any]  #: embedded as JSON for the step selector and line panel
     nav: tuple[Link, ...]
+    step_link: Link | None = None  #: the default step's page ("" href: it has none)
 
 
-def source_page(annotated: AnnotatedFile, default: int | None, traced_layers: int, nav: tuple[Link, ...]) -> SourcePage:
+def _title(label: str, preamble: str, text: str) -> str:
+    return f"{label} ({preamble}): {text}" if preamble else f"{label}: {text}"
+
+
+def source_page(
+    annotated: AnnotatedFile,
+    default: int | None,
+    traced_layers: int,
+    nav: tuple[Link, ...],
+    paged: frozenset[int] | set[int] = frozenset(),
+) -> SourcePage:
     """One annotated source, with every anchor's value at every step of ``annotated``.
 
     The lines show the values at ``annotated.records[default]`` (None: no step); the
     embedded data carries the others for the step selector. ``traced_layers`` is how
-    many layers the trace recorded (the values are the first one's).
+    many layers the trace recorded (the values are the first one's). ``paged``: the
+    steps that have a step page, linked from the selector's step.
     """
     records = annotated.records
     texts: dict[tuple[str, str], int] = {}
@@ -73,11 +90,13 @@ def source_page(annotated: AnnotatedFile, default: int | None, traced_layers: in
     def intern(value: Value | None) -> int:
         if value is None:
             return -1
-        return texts.setdefault((value.text, value.kind), len(texts))
+        return texts.setdefault((split_preamble(value.text)[1], value.kind), len(texts))
 
     anchors_data = []
     for anchor in annotated.found:
         entry: dict[str, Any] = {"key": anchor.key, "label": anchor.label, "line": anchor.line}
+        if anchor.preamble:
+            entry["preamble"] = anchor.preamble
         if anchor.static is not None:
             entry["value"] = intern(anchor.static)
         else:
@@ -91,7 +110,8 @@ def source_page(annotated: AnnotatedFile, default: int | None, traced_layers: in
             shown = anchor.at(default)
             # No value at the default step: the script fills the note in when a step is picked.
             text, kind = (shown.text, shown.kind) if shown is not None else ("", "static")
-            notes.append(LineNote(anchor.key, anchor.label, text, kind))
+            preamble, value = split_preamble(text)
+            notes.append(LineNote(anchor.key, anchor.label, value, kind, _title(anchor.label, preamble, value)))
         lines.append(SourceLine(number, tuple(tokens), tuple(notes)))
     anchors = tuple(
         Link(f"#line-{a.line}", f"{a.line}: {a.label}") for a in sorted(annotated.found, key=lambda a: a.line or 0)
@@ -107,7 +127,12 @@ def source_page(annotated: AnnotatedFile, default: int | None, traced_layers: in
         "default": records[default].step if default is not None else None,
         "texts": [[t, k] for (t, k) in texts],
         "anchors": anchors_data,
+        "pages": [step_page(r.step) if r.step in paged else "" for r in records],
     }
+    step_link = None
+    if default is not None:
+        step = records[default].step
+        step_link = Link(step_page(step) if step in paged else "", f"step {step}")
     return SourcePage(
         name=annotated.vllm_path.rsplit("/", 1)[-1],
         vllm_path=annotated.vllm_path,
@@ -120,4 +145,5 @@ def source_page(annotated: AnnotatedFile, default: int | None, traced_layers: in
         options=options,
         data=data,
         nav=nav,
+        step_link=step_link,
     )

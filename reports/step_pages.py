@@ -38,7 +38,7 @@ MAX_SLOT_RUNS = 200
 
 @dataclass(frozen=True)
 class Segment:
-    """Part of a block's slot bar: ``old`` (cached before this step) or ``new`` (written now)."""
+    """Part of a block's slot bar: ``old``, ``new`` or ``other`` (see :data:`SLOT_CLASSES`)."""
 
     cls: str
     left: str  #: percent, formatted
@@ -52,7 +52,7 @@ class BlockCell:
     block: int  #: physical block id
     index: int  #: logical block index in the row
     shared: bool  #: the block id appears in more than one row
-    written: bool  #: slot_mapping writes into it this step
+    written: bool  #: slot_mapping writes into it this step (any row)
     full: bool  #: every slot was cached before this step (drawn without segments)
     segments: tuple[Segment, ...]  #: the slot bar, when not ``full``
     title: str
@@ -109,6 +109,7 @@ class StepPage:
     metadata: tuple[MetadataRow, ...] = ()  #: metadata checks, every layer of the step
     metadata_verdict: Verdict = NOT_CHECKED
     metadata_source: str = ""  #: where the metadata checks come from (``replay.json`` or computed now)
+    sources: tuple[Link, ...] = ()  #: the annotated sources with their values at this step
 
 
 def pages_for_steps(records: list[StepRecord], max_request_pages: int = MAX_REQUEST_PAGES) -> set[int]:
@@ -163,28 +164,58 @@ def _pct(value: float) -> str:
     return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
-_NO_OFFSETS: frozenset[int] = frozenset()
+#: What a slot of a row's block holds, as drawn: ...
+OLD = "old"  #: ... cached before this step (part of the row's context, not written now)
+NEW = "new"  #: ... written by this row in this step
+OTHER = "other"  #: ... in the row's context, but written in this step by another row (a prefix shared in-step)
+SLOT_CLASSES = (OLD, NEW, OTHER)
+
+
+def slot_writers(record: StepRecord, block_size: int) -> dict[tuple[int, int], int]:
+    """``(block, offset) -> row`` for every slot the step's slot_mapping writes (padding skipped)."""
+    owner = [i for i, q in enumerate(record.query_lens) for _ in range(q)]
+    out: dict[tuple[int, int], int] = {}
+    for t, slot in enumerate(record.slot_mapping):
+        if slot >= 0 and t < len(owner):
+            out[(slot // block_size, slot % block_size)] = owner[t]
+    return out
 
 
 def _cell(
-    block: int, index: int, bs: int, shared: bool, written_offsets: dict[int, set[int]], seq_len: int, context_len: int
+    block: int,
+    index: int,
+    bs: int,
+    shared: bool,
+    writers: dict[tuple[int, int], int],
+    row: int,
+    seq_len: int,
+    context_len: int,
 ) -> BlockCell:
     before = max(0, min(bs, context_len - index * bs))
     after = max(0, min(bs, seq_len - index * bs))
-    offsets = written_offsets.get(block, _NO_OFFSETS)
+    # Each used slot's class; a context slot that another row writes now was not cached before this step.
+    classes = [(OTHER if writers.get((block, o), row) != row else OLD) if o < before else NEW for o in range(after)]
+    written = [o for o in range(bs) if (block, o) in writers]
+    counts = {c: classes.count(c) for c in SLOT_CLASSES}
     title = f"block {block}, logical block {index}: {after}/{bs} slots used"
     if shared:
         title += ", shared"
-    if offsets:
-        title += f", offsets {range_text(min(offsets), max(offsets))} written this step"
-    if before == bs and not offsets:
-        return BlockCell(block, index, shared, False, True, (), title)
+    if counts[NEW]:
+        title += f"; {counts[NEW]} written by this row in this step"
+    if counts[OTHER]:
+        others = sorted({writers[(block, o)] for o in range(before) if writers.get((block, o), row) != row})
+        title += f"; {counts[OTHER]} written in this step by row {', '.join(map(str, others))}"
+    if counts[OLD]:
+        title += f"; {counts[OLD]} cached before this step"
+    if after == bs and classes.count(OLD) == bs:
+        return BlockCell(block, index, shared, bool(written), True, (), title)
     segments = []
-    if before:
-        segments.append(Segment("old", "0", _pct(100 * before / bs)))
-    if after > before:
-        segments.append(Segment("new", _pct(100 * before / bs), _pct(100 * (after - before) / bs)))
-    return BlockCell(block, index, shared, bool(offsets), False, tuple(segments), title)
+    start = 0
+    for o in range(1, after + 1):
+        if o == after or classes[o] != classes[start]:
+            segments.append(Segment(classes[start], _pct(100 * start / bs), _pct(100 * (o - start) / bs)))
+            start = o
+    return BlockCell(block, index, shared, bool(written), False, tuple(segments), title)
 
 
 def step_view(
@@ -197,14 +228,17 @@ def step_view(
     nav: tuple[Link, ...],
     metadata: Sequence[MetadataCheck] = (),
     metadata_source: str = "",
+    sources: Sequence[Link] = (),
 ) -> StepPage:
-    """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay and metadata verdicts."""
+    """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay and metadata verdicts.
+
+    ``sources`` are the annotated source pages (``src-<name>.html``): the page links each
+    at this step (``#step-N`` selects it there).
+    """
     bs = run.kv_cache.block_size if run.kv_cache else 16
     shared_set = record.shared_blocks
-    written_offsets: dict[int, set[int]] = {}
-    for slot in record.slot_mapping:
-        if slot >= 0:
-            written_offsets.setdefault(slot // bs, set()).add(slot % bs)
+    writers = slot_writers(record, bs)
+    written_blocks = sorted({block for block, _ in writers})
     rows = []
     query_lens = record.query_lens
     for i, table_row in enumerate(record.block_table[:MAX_ROWS]):
@@ -217,8 +251,7 @@ def step_view(
             elided = len(indices) - MAX_ROW_CELLS
             indices = indices[:HEAD_CELLS] + indices[-tail:]
         cells = tuple(
-            _cell(table_row[j], j, bs, table_row[j] in shared_set, written_offsets, seq_len, seq_len - q)
-            for j in indices
+            _cell(table_row[j], j, bs, table_row[j] in shared_set, writers, i, seq_len, seq_len - q) for j in indices
         )
         rid = record.request_ids[i] if i < len(record.request_ids) else ""
         rows.append(RequestRow(i, rid, q, seq_len, seq_len - q, cells, elided, HEAD_CELLS if elided else -1))
@@ -244,7 +277,7 @@ def step_view(
         rows=tuple(rows),
         rows_elided=max(0, len(record.block_table) - MAX_ROWS),
         shared_blocks=fmt_list(shared, 32) if shared else "none",
-        written_blocks=fmt_list(sorted(written_offsets), 32) if written_offsets else "none",
+        written_blocks=fmt_list(written_blocks, 32) if written_blocks else "none",
         slot_runs=tuple(runs[:MAX_SLOT_RUNS]),
         slot_runs_elided=max(0, len(runs) - MAX_SLOT_RUNS),
         padding=sum(1 for s in record.slot_mapping if s < 0),
@@ -257,6 +290,7 @@ def step_view(
         metadata=metadata_rows(metadata),
         metadata_verdict=metadata_verdict(metadata),
         metadata_source=metadata_source,
+        sources=tuple(Link(f"{link.href}#step-{record.step}", link.text) for link in sources),
     )
 
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from annotations.anchors import ATTENTION, BLOCK_TABLE, CPU_ATTN, FLASH_ATTN, PAGED_ATTN
 from annotations.locate import LocatedSource
 from reports.common import INDEX_PAGE, Link, Token, highlight, source_file_page, step_page
-from tracer.format import Trace
+from tracer.format import StepRecord, Trace
+from tracer.format.walk import BlockLine, QueryWalk
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,32 @@ class CodeLine:
     number: int  #: 1-based line number in the original file
     tokens: tuple[Token, ...]
     marked: bool  #: highlighted as part of the stop's subject
+    values: str = ""  #: the walked query's values on this line, one per block-loop iteration ("" none)
+
+
+@dataclass(frozen=True)
+class WalkRow:
+    """One iteration of the block loop for the walked query."""
+
+    j: str
+    physical: str
+    positions: str
+    n_valid: str
+    n_visible: str
+    block_max: str
+    m: str
+    rescale: str
+    l: str
+
+
+@dataclass(frozen=True)
+class WalkView:
+    """Which real query the tour's loop values are for, and its iterations as a table."""
+
+    caption: str
+    rows: tuple[WalkRow, ...]
+    rows_elided: int
+    step_link: Link | None
 
 
 @dataclass(frozen=True)
@@ -35,6 +63,7 @@ class CodeBlock:
     title: str
     origin: str
     lines: tuple[CodeLine, ...]
+    walk: WalkView | None = None  #: the trace's values, when a query was walked through the loop
 
 
 #: A line of the reference kernel that a tour stop highlights ends with ``# tour: <mark>``: ...
@@ -59,19 +88,130 @@ def tour_marks(text: str) -> tuple[str, tuple[str, ...]]:
     return "\n".join(lines) + ("\n" if text.endswith("\n") else ""), tuple(marks)
 
 
+#: Iterations shown per line and in the table; a longer walk shows the first and last few.
+MAX_ITERATIONS = 12
+
+
+def _num(x: float) -> str:
+    return f"{x:.5g}" if math.isfinite(x) else ("-inf" if x < 0 else "inf")
+
+
+def _shown(blocks: tuple[BlockLine, ...]) -> tuple[list[BlockLine], int]:
+    if len(blocks) <= MAX_ITERATIONS:
+        return list(blocks), 0
+    half = MAX_ITERATIONS // 2
+    return [*blocks[:half], *blocks[-half:]], len(blocks) - 2 * half
+
+
+def _per_block(walk: QueryWalk, name: str, fmt) -> str:
+    shown, elided = _shown(walk.blocks)
+    parts = [f"j={b.logical}: {fmt(b)}" for b in shown]
+    if elided:
+        parts.insert(MAX_ITERATIONS // 2, f"… {elided} more")
+    return f"{name}  " + ", ".join(parts)
+
+
+#: What the walk shows beside a loop line, by the line's start (the kernel's own text, tour marks removed).
+_LINE_VALUES = (
+    ("for j in range", lambda w: f"j = 0 … {len(w.blocks) - 1}: {len(w.blocks)} blocks for seq_len {w.seq_len}"),
+    ("physical = ", lambda w: _per_block(w, "physical", lambda b: str(b.physical))),
+    ("n_valid = ", lambda w: _per_block(w, "n_valid", lambda b: str(b.n_valid))),
+    ("k_pos = ", lambda w: _per_block(w, "keys", lambda b: f"{b.positions[0]}–{b.positions[1] - 1}")),
+    ("m_new = ", lambda w: _per_block(w, "m", lambda b: _num(b.m))),
+    ("rescale = ", lambda w: _per_block(w, "rescale", lambda b: _num(b.rescale))),
+    ("l = ", lambda w: _per_block(w, "l", lambda b: _num(b.l))),
+    ("acc = ", lambda w: _per_block(w, "||acc||", lambda b: _num(b.acc_norm))),
+    ("o = ", lambda w: f"||o|| = {_num(w.output_norm)} (vLLM's row: {_num(w.vllm_norm)})"),
+    ("return acc / l", lambda w: f"||o|| = {_num(w.output_norm)} (vLLM's row: {_num(w.vllm_norm)})"),
+)
+
+
+def line_values(text: str, walk: QueryWalk | None) -> str:
+    """The walk's values for one line of the loop (its text without the tour mark); "" for other lines."""
+    if walk is None or not walk.blocks:
+        return ""
+    stripped = text.strip()
+    for start, fn in _LINE_VALUES:
+        if stripped.startswith(start):
+            return fn(walk)
+    return ""
+
+
+def walk_view(walk: QueryWalk) -> WalkView:
+    """The caption and iteration table of a walked query."""
+    shown, elided = _shown(walk.blocks)
+    rows = tuple(
+        WalkRow(
+            str(b.logical),
+            str(b.physical),
+            f"{b.positions[0]}–{b.positions[1] - 1}",
+            str(b.n_valid),
+            str(b.n_visible),
+            _num(b.block_max),
+            _num(b.m),
+            _num(b.rescale),
+            _num(b.l),
+        )
+        for b in shown
+    )
+    verdict = "within" if walk.ok else "OVER"
+    caption = (
+        f"The values beside the lines are this loop's, run on the trace: step {walk.step}, layer {walk.layer}, "
+        f"request {walk.request_id} (block-table row {walk.row}), query {walk.token} at position {walk.position}, "
+        f"head {walk.head} (KV head {walk.kv_head}), seq_len {walk.seq_len}, block size {walk.block_size}, "
+        f"{walk.compute_dtype}. vLLM's output for that head differs by {_num(walk.max_abs)} "
+        f"({verdict} replay's bar {_num(walk.tolerance)}). pagedtrace step {walk.step} --request "
+        f"{walk.request_id} --head {walk.head} walks any other query."
+    )
+    return WalkView(caption, rows, elided, Link(step_page(walk.step), f"step {walk.step}"))
+
+
+#: Shown at the loop when no query was walked through it.
+NO_WALK_NOTE = (
+    "No trace values beside the loop: pagedtrace report runs one captured query through it when the trace has "
+    "tensors and torch is installed (reports/ itself never imports torch)."
+)
+
+
+def walk_target(trace: Trace) -> tuple[int, str, str] | None:
+    """``(step, request id, layer)`` of the query the tour walks, or None (no tensors).
+
+    The first request step with tensors (the first traced layer), its row with the most
+    blocks: the most iterations of the loop to show.
+    """
+    layer = trace.layers[0] if trace.layers else None
+    records: list[StepRecord] = [
+        r for r in trace.records if r.kind == "request" and r.tensors is not None and r.layer == layer
+    ]
+    if not records or not records[0].request_ids:
+        return None
+    record = records[0]
+    row = max(range(len(record.seq_lens)), key=lambda i: (record.seq_lens[i], -i))
+    return record.step, record.request_ids[row], record.layer
+
+
 def code_block(
-    title: str, origin: str, text: str, start: int, marks: tuple[str, ...], mark: str, first: str | None = None
+    title: str,
+    origin: str,
+    text: str,
+    start: int,
+    marks: tuple[str, ...],
+    mark: str,
+    first: str | None = None,
+    walk: QueryWalk | None = None,
 ) -> CodeBlock | None:
     """Highlight ``text`` (its first line is line ``start``); mark the lines whose ``marks`` entry is ``mark``.
 
     ``marks`` has one entry per line (``tour_marks``). With ``first``, keep only the
     lines from the first containing ``first`` through the last marked one; None when
-    either is not found.
+    either is not found. With ``walk``, the marked lines carry its values per iteration.
     """
     raw = text.splitlines()
     lines = [
-        CodeLine(number, tuple(tokens), line_mark == mark)
-        for number, tokens, line_mark in zip(range(start, start + len(raw)), highlight(text), marks, strict=True)
+        CodeLine(number, tuple(tokens), line_mark == mark, line_values(line, walk) if line_mark == mark else "")
+        for number, tokens, line_mark, line in zip(
+            range(start, start + len(raw)), highlight(text), marks, raw, strict=True
+        )
     ]
     if first is not None:
         lo = next((i for i, line in enumerate(raw) if first in line), None)
@@ -79,7 +219,7 @@ def code_block(
         if lo is None or hi is None or hi < lo:
             return None
         lines = lines[lo : hi + 1]
-    return CodeBlock(title, origin, tuple(lines))
+    return CodeBlock(title, origin, tuple(lines), walk_view(walk) if walk is not None and walk.blocks else None)
 
 
 @dataclass(frozen=True)
@@ -136,6 +276,13 @@ def load_reference_source() -> tuple[str, str, int] | None:
     return None
 
 
+def _without_step_link(code: CodeBlock | None) -> CodeBlock | None:
+    """``code`` whose walk links no step page (its step has none)."""
+    if code is None or code.walk is None:
+        return code
+    return replace(code, walk=replace(code.walk, step_link=None))
+
+
 def _anchor_link(located: dict[str, LocatedSource], path: str, key: str, text: str) -> Link | None:
     loc = located.get(path)
     if loc is None or key not in loc.locations or not loc.locations[key].found:
@@ -149,8 +296,15 @@ def tour_page(
     paged: set[int],
     reference: tuple[str, str, int] | None,
     nav: tuple[Link, ...],
+    walk: QueryWalk | None = None,
+    walk_note: str = "",
 ) -> TourPage:
-    """The guided tour following the reading checklist, linked into the other pages."""
+    """The guided tour following the reading checklist, linked into the other pages.
+
+    ``walk``: one real query run through the reference loop (``pagedtrace report`` computes
+    it with ``reference_impl.stepper``); its values go beside the loop's lines. ``walk_note``
+    says why there is none (shown instead).
+    """
     run = trace.run
     spec = run.kv_cache
     on_cpu = "CPUAttention" in run.attention_backend
@@ -178,7 +332,7 @@ def tour_page(
     if reference is not None:
         origin, src, start = reference
         shown, marks = tour_marks(src)
-        loop_code = code_block(origin, "reference_impl/kernel.py", shown, start, marks, BLOCK_MARK)
+        loop_code = code_block(origin, "reference_impl/kernel.py", shown, start, marks, BLOCK_MARK, walk=walk)
         softmax_code = code_block(
             f"{origin}: the online-softmax lines",
             "reference_impl/kernel.py",
@@ -187,7 +341,11 @@ def tour_page(
             marks,
             SOFTMAX_MARK,
             SOFTMAX_FIRST,
+            walk=walk,
         )
+    if walk is not None and walk.step not in paged:
+        loop_code = _without_step_link(loop_code)
+        softmax_code = _without_step_link(softmax_code)
     stops = (
         TourStop(
             "layout",
@@ -240,7 +398,8 @@ def tour_page(
                 "Reading is the same walk in reverse: for each request, key j lives in block block_table[req, j // "
                 "block_size] at offset j % block_size. The reference kernel spells the loop out block by block; the "
                 "real kernels do the same walk in tiles.",
-            ),
+            )
+            + ((walk_note or NO_WALK_NOTE,) if walk is None and loop_code is not None else ()),
             links(
                 (FLASH_ATTN, "flash_attn.forward.block_table", "forward: block_table"),
                 (FLASH_ATTN, "flash_attn.forward.seqused_k", "forward: seqused_k = seq_lens"),

@@ -49,6 +49,7 @@ class ReplayData:
     problem: str = ""  #: why the file could not be used, if it could not
     #: step -> its metadata checks (every layer), from ``replay.json``'s ``metadata`` section
     metadata_by_step: dict[int, list[MetadataCheck]] = field(default_factory=dict)
+    origin: str = "replay.json"  #: where the verdicts come from, as the pages name it
 
 
 #: The verdict of a trace without a (usable) ``replay.json``.
@@ -75,6 +76,15 @@ def read_replay(trace: Trace) -> ReplayData:
         return ReplayData(False, NOT_REPLAYED, {}, (), str(exc))
     if report is None:
         return ReplayData(False, NOT_REPLAYED, {}, ())
+    return replay_data(report)
+
+
+#: ``ReplayData.origin`` of verdicts ``pagedtrace report --replay`` computed (nothing written into the trace).
+IN_MEMORY = "a replay run by pagedtrace report --replay (not saved in the trace)"
+
+
+def replay_data(report: ReplayReport, origin: str = "replay.json") -> ReplayData:
+    """The pages' view of a replay result: ``replay.json``'s, or one computed in memory (``origin``)."""
     checks = tuple(
         Row(name, f"{sum(c.ok for c in results)} of {len(results)} ok" if results else "none")
         for name, results in report.sections()
@@ -89,7 +99,9 @@ def read_replay(trace: Trace) -> ReplayData:
         )
     else:
         overall = Verdict("ok", "all replayed steps agree") if report.ok else Verdict("fail", "some steps disagree")
-    return ReplayData(True, overall, report.by_step(), checks, metadata_by_step=report.metadata_by_step())
+    return ReplayData(
+        True, overall, report.by_step(), checks, metadata_by_step=report.metadata_by_step(), origin=origin
+    )
 
 
 def step_verdict(results: Sequence[StepResult]) -> Verdict:

@@ -25,9 +25,10 @@ from reports.index_page import IndexPage, index_page
 from reports.source_pages import SourcePage, source_page
 from reports.step_pages import MAX_REQUEST_PAGES, StepPage, pages_for_steps, step_view
 from reports.tour import TourPage, tour_page
-from reports.verdicts import ReplayData, read_replay
-from tracer.format import MetadataCheck, Trace
+from reports.verdicts import IN_MEMORY, ReplayData, read_replay, replay_data
+from tracer.format import MetadataCheck, ReplayReport, Trace
 from tracer.format.metadata import check_records
+from tracer.format.walk import QueryWalk
 
 __all__ = ["Site", "build_site", "navigation"]
 
@@ -52,14 +53,22 @@ def navigation(located: dict[str, LocatedSource]) -> tuple[Link, ...]:
 
 
 def build_site(
-    trace: Trace, reference: tuple[str, str, int] | None = None, max_step_pages: int = MAX_REQUEST_PAGES
+    trace: Trace,
+    reference: tuple[str, str, int] | None = None,
+    max_step_pages: int = MAX_REQUEST_PAGES,
+    *,
+    walk: QueryWalk | None = None,
+    walk_note: str = "",
+    replay: ReplayReport | None = None,
 ) -> Site:
     """All view models of a report for ``trace``.
 
     ``reference`` is the tour's kernel source (``load_reference_source()``), if any;
-    ``max_step_pages`` caps the request steps that get a page.
+    ``max_step_pages`` caps the request steps that get a page. ``walk``: one query run
+    through the reference loop, for the tour (``walk_note``: why there is none). ``replay``:
+    verdicts computed in memory, shown instead of the trace's ``replay.json``.
     """
-    replay = read_replay(trace)
+    verdicts = read_replay(trace) if replay is None else replay_data(replay, IN_MEMORY)
     texts = {p: t for p in ANNOTATED_FILES if (t := trace.source(p)) is not None}
     located = {p: locate(t, p) for p, t in texts.items()}
     nav = navigation(located)
@@ -68,28 +77,37 @@ def build_site(
     default = next((i for i, r in enumerate(records) if r.kind == "request"), 0 if records else None)
     sources = {
         source_file_page(p): source_page(
-            annotate_file(t, p, trace.run, records, located[p]), default, len(trace.layers), nav
+            annotate_file(t, p, trace.run, records, located[p]), default, len(trace.layers), nav, paged
         )
         for p, t in texts.items()
     }
     layers_by_step: dict[int, list[str]] = {}
     for r in trace.records:
         layers_by_step.setdefault(r.step, []).append(r.layer)
-    by_step = replay.by_step
+    by_step = verdicts.by_step
     paged_records = [r for r in records if r.step in paged]
-    metadata = _step_metadata(trace, replay, {r.step for r in paged_records})
+    source_links = tuple(link for link in nav if link.href.startswith("src-"))
+    metadata = _step_metadata(trace, verdicts, {r.step for r in paged_records})
     steps = {}
     for i, r in enumerate(paged_records):
         prev = paged_records[i - 1].step if i > 0 else None
         nxt = paged_records[i + 1].step if i + 1 < len(paged_records) else None
         steps[step_page(r.step)] = step_view(
-            r, trace.run, tuple(layers_by_step[r.step]), by_step.get(r.step, []), prev, nxt, nav, *metadata[r.step]
+            r,
+            trace.run,
+            tuple(layers_by_step[r.step]),
+            by_step.get(r.step, []),
+            prev,
+            nxt,
+            nav,
+            *metadata[r.step],
+            sources=source_links,
         )
     return Site(
-        index=index_page(trace, replay, located, paged),
+        index=index_page(trace, verdicts, located, paged),
         sources=sources,
         steps=steps,
-        tour=tour_page(trace, located, paged, reference, nav),
+        tour=tour_page(trace, located, paged, reference, nav, walk, walk_note),
     )
 
 
@@ -102,7 +120,7 @@ def _step_metadata(trace: Trace, replay: ReplayData, steps: set[int]) -> dict[in
     for step in steps:
         saved = replay.metadata_by_step.get(step)
         if saved:
-            out[step] = (saved, "from replay.json")
+            out[step] = (saved, f"from {replay.origin}")
     todo = [r for r in trace.records if r.step in steps and r.step not in out]
     for check in check_records(trace, todo):
         out.setdefault(check.step, ([], "computed now: replay.json has none"))[0].append(check)

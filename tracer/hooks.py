@@ -395,6 +395,17 @@ class Tracer:
                             "cuda-graph-replay: attention ran inside a CUDA graph, Python forward() was not called",
                             num,
                         )
+                    elif sched is not None and hasattr(sched, "total_num_scheduled_tokens"):
+                        # Counted as a step, but the runner returned before the model ran: the
+                        # scheduler only passed finished request ids (after requests finish; the
+                        # V2 runner's warm-up cleanup). Without a gap its number would be unexplained.
+                        finished = tuple(sorted(str(r) for r in getattr(sched, "finished_req_ids", ()) or ()))
+                        self._record_gap(
+                            "warmup" if _is_warmup_batch(finished) else kind,
+                            f"empty-step: no tokens scheduled; execute_model returned without running the model "
+                            f"({len(finished)} finished request(s) freed)",
+                            0,
+                        )
                 elif kind == "profile":
                     self._record_gap(kind, "profile run: vLLM skips attention", 0)
             self._flush()

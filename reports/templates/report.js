@@ -1,8 +1,9 @@
 /* pagedtrace annotated-source page: step selector and per-line value panel.
  *
  * Reads the JSON in <script id="pt-data" type="application/json">:
- *   {steps: [int], kinds: [str], default: int|null, texts: [[text, kind]],
- *    anchors: [{key, label, line, value?: textIndex, steps?: [textIndex per step]}]}
+ *   {steps: [int], kinds: [str], default: int|null, texts: [[text, kind]], pages: [step page or ""],
+ *    anchors: [{key, label, line, preamble?, value?: textIndex, steps?: [textIndex per step]}]}
+ * A line shows the value alone; its label and preamble are said once, in the panel.
  * The URL hash selects a line and/or a step: #line-123, #step-4, #line-123,step-4.
  * Everything is written with textContent: no value is ever parsed as HTML.
  */
@@ -21,6 +22,7 @@
   });
   var current = data.steps.indexOf(data["default"]);
   var selectedLine = null;
+  var clicked = false;
 
   function valueAt(anchor, i) {
     var idx = ("value" in anchor) ? anchor.value : (i >= 0 ? anchor.steps[i] : -1);
@@ -41,10 +43,25 @@
       var anchor = byKey[note.getAttribute("data-anchor")];
       if (!anchor) { continue; }
       var value = valueAt(anchor, current);
-      var text = anchor.label + ": " + (value ? value[0] : "");
+      var text = value ? value[0] : "";
       note.textContent = text;
-      note.title = text;
+      note.title = anchor.label + (anchor.preamble ? " (" + anchor.preamble + ")" : "") + ": " + text;
       note.className = "note k-" + (value ? value[1] : "static");
+    }
+    renderStepLink();
+  }
+
+  function renderStepLink() {
+    var box = document.getElementById("pt-step-page");
+    if (!box || current < 0 || !data.pages) { return; }
+    while (box.firstChild) { box.removeChild(box.firstChild); }
+    var label = "step " + data.steps[current];
+    if (data.pages[current]) {
+      var link = el("a", "", label + ": block table, slots, verdicts");
+      link.href = data.pages[current];
+      box.appendChild(link);
+    } else {
+      box.appendChild(el("span", "muted", label + " has no step page"));
     }
   }
 
@@ -55,6 +72,7 @@
   function renderAnchor(anchor) {
     var box = el("div", "anchor");
     box.appendChild(el("h3", "", anchor.label + "  (line " + anchor.line + ")"));
+    if (anchor.preamble) { box.appendChild(el("p", "preamble k-computed", anchor.preamble)); }
     var table = el("table");
     if ("value" in anchor) {
       var value = valueAt(anchor, -1);
@@ -115,8 +133,9 @@
       var number = parseInt(line[1], 10);
       selectLine(number);
       var row = document.getElementById("line-" + number);
-      if (row && step) { row.scrollIntoView({block: "center"}); }
+      if (row && step && !clicked) { row.scrollIntoView({block: "center"}); }
     }
+    clicked = false;
     renderNotes();
     renderPanel();
   }
@@ -124,8 +143,9 @@
   if (select) {
     select.addEventListener("change", function () {
       current = select.selectedIndex;
-      renderNotes();
-      renderPanel();
+      /* The hash names the step (and line), so the view can be linked to; applyHash redraws. */
+      var hash = (selectedLine !== null ? "line-" + selectedLine + "," : "") + "step-" + data.steps[current];
+      if (window.location.hash.slice(1) === hash) { renderNotes(); renderPanel(); } else { window.location.hash = hash; }
     });
   }
   var code = document.getElementById("code");
@@ -133,7 +153,9 @@
     code.addEventListener("click", function (event) {
       var row = event.target.closest(".l");
       if (!row || event.target.closest("a")) { return; }
-      window.location.hash = row.id;
+      /* Keep the step in the hash; a click does not scroll (the line is where the reader looks). */
+      clicked = true;
+      window.location.hash = row.id + (current >= 0 ? ",step-" + data.steps[current] : "");
     });
   }
   window.addEventListener("hashchange", applyHash);
