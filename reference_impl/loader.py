@@ -13,7 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_kernel"]
+__all__ = ["FILE_MODULE_PREFIX", "load_kernel"]
+
+#: Module-name prefix of a kernel imported from a ``.py`` file (``kernel_name`` shows the file instead).
+FILE_MODULE_PREFIX = "_pagedtrace_kernel_"
 
 
 def load_kernel(spec: str) -> Callable[..., Any]:
@@ -55,7 +58,7 @@ def load_kernel(spec: str) -> Callable[..., Any]:
 def _import_file(path: Path, spec: str) -> Any:
     if not path.is_file():
         raise ValueError(f"kernel {spec!r}: no file {str(path)!r}")
-    name = f"_pagedtrace_kernel_{path.stem}"
+    name = f"{FILE_MODULE_PREFIX}{path.stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     if module_spec is None or module_spec.loader is None:
         raise ValueError(f"kernel {spec!r}: cannot load {str(path)!r} as a Python module")

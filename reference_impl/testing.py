@@ -74,7 +74,9 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -84,10 +86,10 @@ import torch
 
 from reference_impl import replay as _replay
 from reference_impl.common import FP8_STORAGE
-from reference_impl.loader import load_kernel
+from reference_impl.loader import FILE_MODULE_PREFIX, load_kernel
 from reference_impl.options import changes_nothing
 from reference_impl.tolerances import TOL_K, TOLERANCE, bar_note, compare
-from tracer.format import CaseResult, StepRecord, Trace, TraceError, layer_index
+from tracer.format import FORMAT_VERSION, CaseResult, HeadResult, StepRecord, Trace, TraceError, WorstValue, layer_index
 
 __all__ = [
     "CaseResult",
@@ -144,6 +146,7 @@ class KernelCase:
     tol_eps: float = 0.0  #: the step's floor: eps(activation dtype) * max|reference|
     out_dtype: torch.dtype = torch.bfloat16  #: the activation dtype (sets the floor)
     physical_block_ids: tuple[int, ...] = ()  #: vLLM's block id of each cache row (the compact -> physical map)
+    request_ids: tuple[str, ...] = ()  #: vLLM's request id of each block-table row (``StepRecord.request_ids``)
     note: str = ""  #: what is odd about the step (blocks the table names that were not captured ...)
 
     def __repr__(self) -> str:
@@ -233,6 +236,7 @@ def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) ->
         tol_eps=verdict["floor"],
         out_dtype=inputs.out_dtype,
         physical_block_ids=tuple(int(b) for b in tensors["kv_block_ids"].tolist()),
+        request_ids=tuple(record.request_ids),
         note=inputs.note,
     )
 
@@ -301,10 +305,20 @@ def load_cases(
 
 
 def kernel_name(fn: Callable[..., Any]) -> str:
-    """``module:qualname`` of a kernel (its ``repr`` when it has neither)."""
+    """``module:qualname`` of a kernel (its ``repr`` when it has neither).
+
+    A kernel loaded from a file (``./attn.py:fn``) is named by its file, ``attn.py:fn``, not by
+    the private module name :func:`load_kernel` imported it under.
+    """
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None)
-    return f"{module}:{qualname}" if module and qualname else repr(fn)
+    if not (module and qualname):
+        return repr(fn)
+    if module.startswith(FILE_MODULE_PREFIX):
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if path:
+            return f"{os.path.basename(path)}:{qualname}"
+    return f"{module}:{qualname}"
 
 
 def kernel_kwargs(fn: Callable[..., Any], case: KernelCase) -> dict[str, Any]:
@@ -358,6 +372,43 @@ def _failed(case: KernelCase, name: str, note: str) -> CaseResult:
     )
 
 
+def _worst(err: torch.Tensor, case: KernelCase) -> WorstValue | None:
+    """Where ``err`` ``[T, H, D]`` is largest, as request id, position and physical block."""
+    if not err.numel():
+        return None
+    # NaN ranks above every finite error, so the first NaN is where the report points.
+    flat = int(torch.nan_to_num(err, nan=math.inf).flatten().argmax())
+    token, head, dim = (int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
+    qsl = case.query_start_loc.tolist()
+    row = int(torch.searchsorted(case.query_start_loc, torch.tensor(token, dtype=torch.int32), right=True)) - 1
+    row = min(max(row, 0), case.num_reqs - 1)
+    # The row's queries are its last q_len keys: position = seq_len - q_len + offset.
+    position = int(case.seq_lens[row]) - (qsl[row + 1] - qsl[row]) + (token - qsl[row])
+    block = None
+    logical = position // case.block_size
+    if 0 <= logical < case.block_table.shape[1]:
+        compact = int(case.block_table[row, logical])
+        if 0 <= compact < len(case.physical_block_ids):
+            block = case.physical_block_ids[compact]
+    request_id = case.request_ids[row] if row < len(case.request_ids) else None
+    return WorstValue(token, head, dim, row, request_id=request_id, position=position, block=block)
+
+
+def _head_results(err: torch.Tensor, reference: torch.Tensor, verdict: Mapping[str, Any]) -> tuple[HeadResult, ...]:
+    """Per query head, as replay writes them: max abs (NaN-propagating), max rel, its bar, ok."""
+    if not err.numel():
+        return ()
+    errs = err.amax(dim=(0, 2)).tolist()
+    scales = reference.abs().amax(dim=(0, 2)).tolist()
+    out = []
+    for h, (e, s, tol, ok) in enumerate(
+        zip(errs, scales, verdict["per_head_tol"], verdict["per_head_ok"], strict=True)
+    ):
+        rel = e / s if s > 0 else (0.0 if e == 0 else math.inf)
+        out.append(HeadResult(head=h, ok=bool(ok) and e <= tol, max_abs=e, max_rel=rel, tol=tol))
+    return tuple(out)
+
+
 def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
     """Compare ``out`` (already on the CPU) with the case's reference."""
     num = case.num_tokens
@@ -366,13 +417,6 @@ def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
     verdict = compare(out, reference, case.baseline[:num], k=case.tol_k, dtype=case.out_dtype)
     err = (out.double() - reference).abs()
     nonfinite = int((~torch.isfinite(out)).sum())
-    worst = None
-    if err.numel():
-        # NaN ranks above every finite error, so the first NaN is where the report points.
-        flat = int(torch.nan_to_num(err, nan=math.inf).flatten().argmax())
-        token, head, dim = (int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
-        request = int(torch.searchsorted(case.query_start_loc, torch.tensor(token, dtype=torch.int32), right=True)) - 1
-        worst = (token, head, dim, request)
     max_abs = float(err.max()) if err.numel() else 0.0  # NaN-propagating, unlike compare's
     vllm = float((out.double() - case.expected[:num].double()).abs().max()) if err.numel() else 0.0
     ok = bool(verdict["ok"]) and nonfinite == 0 and not math.isnan(max_abs)
@@ -394,9 +438,8 @@ def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
         baseline_max_abs=verdict["baseline_max_abs"],
         vllm_max_abs=vllm,
         vllm_ref_max_abs=case.vllm_max_abs,
-        heads=tuple(float(h) for h in err.amax(dim=(0, 2)).tolist()) if err.numel() else (),
-        head_tols=tuple(verdict["per_head_tol"]),
-        worst=worst,
+        heads=_head_results(err, reference, verdict),
+        worst=_worst(err, case),
         nonfinite=nonfinite,
         tol_k=case.tol_k,
         tol_eps=verdict["floor"],
@@ -443,15 +486,44 @@ def check_kernel(
 
 
 def assert_kernel_matches(
-    fn: Callable[..., Any], case: KernelCase, *, device: str | torch.device | None = None, name: str | None = None
+    fn: Callable[..., Any],
+    case: KernelCase,
+    *,
+    device: str | torch.device | None = None,
+    name: str | None = None,
+    on_result: Callable[[CaseResult], None] | None = None,
 ) -> CaseResult:
     """:func:`check_kernel`, raising ``AssertionError`` with the readable verdict on a mismatch.
 
+    The message's first line is the verdict (pytest's short summary shows it): ``kernel K
+    does NOT match vLLM on step 4 layer 0: max abs A > tol B``. A kernel that raises fails
+    the same way, chained to its exception (``raise ... from``), so pytest shows the
+    kernel's own traceback above the verdict.
+
+    Args:
+        fn, case, device, name: as :func:`check_kernel`.
+        on_result: called with the result before anything is raised (the pytest plugin
+            collects them for ``--pagedtrace-json``).
+
     Returns:
         The (passing) result.
+
+    Raises:
+        AssertionError: the output is outside tolerance, or the kernel raised.
+        TypeError: ``fn`` lacks a keyword the case needs (before ``fn`` is called).
     """
     __tracebackhide__ = True  # pytest: show the message, not this frame
-    result = check_kernel(fn, case, device=device, name=name)
+    name = name or kernel_name(fn)
+    kernel_kwargs(fn, case)  # a missing keyword is the caller's TypeError, not the kernel's failure
+    try:
+        result = check_kernel(fn, case, device=device, name=name)
+    except Exception as exc:
+        failed = _failed(case, name, raised_note(exc))
+        if on_result is not None:
+            on_result(failed)
+        raise AssertionError(failed.message()) from exc
+    if on_result is not None:
+        on_result(result)
     if not result.ok:
         raise AssertionError(result.message())
     return result
@@ -469,6 +541,7 @@ class KernelReport:
     layout: str  #: the layout the blocks were read from
     results: tuple[CaseResult, ...]
     seconds: float = 0.0
+    recorded_layout: str = ""  #: ``KVCacheSpec.layout`` as the manifest has it ("" = ``layout``)
 
     @property
     def ok(self) -> bool:
@@ -476,15 +549,26 @@ class KernelReport:
         return bool(self.results) and all(r.ok for r in self.results)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict."""
+        """``replay --json``'s schema (``tracer.format.ReplayReport`` reads it), plus ``trace``.
+
+        ``steps`` holds the cases (:meth:`CaseResult.to_json`: a ``StepResult`` entry with
+        the kernel's extras); a kernel check makes no write-path, legacy or metadata checks,
+        so those sections are empty.
+        """
         return {
+            "format_version": FORMAT_VERSION,
             "ok": self.ok,
             "kernel": self.kernel,
             "trace": self.trace,
             "layout": self.layout,
+            "recorded_layout": self.recorded_layout or self.layout,
             "tolerance": TOLERANCE.to_json(),
             "seconds": round(self.seconds, 3),
-            "cases": [r.to_json() for r in self.results],
+            "steps": [r.to_json() for r in self.results],
+            "write_path": [],
+            "legacy": [],
+            "metadata": [],
+            "skipped": [],
         }
 
 
@@ -521,10 +605,22 @@ def check_trace(
         try:
             result = check_kernel(fn, case, device=device, name=name)
         except Exception as exc:  # noqa: BLE001 - the user's kernel: any failure is that case's verdict
-            result = _failed(case, name, f"the kernel raised {type(exc).__name__}: {exc}")
+            result = _failed(case, name, raised_note(exc))
         results.append(result)
         if progress is not None:
             progress(done, len(records), result)
     return KernelReport(
-        kernel=name, trace=str(trace.path), layout=layout, results=tuple(results), seconds=time.perf_counter() - started
+        kernel=name,
+        trace=str(trace.path),
+        layout=layout,
+        results=tuple(results),
+        seconds=time.perf_counter() - started,
+        recorded_layout=_replay.kv_spec(trace).layout,
     )
+
+
+def raised_note(exc: BaseException) -> str:
+    """``the kernel raised RuntimeError: msg (at attn.py:12 in fn)``: the innermost frame of ``exc``."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"the kernel raised {type(exc).__name__}: {exc}{where}"

@@ -25,6 +25,7 @@ from rich.console import Console
 from pagedtrace.cli import main
 from reference_impl import fast as F
 from reference_impl import kernel as K
+from reference_impl.pytest_plugin import spaced_options
 from reference_impl.replay import TOL_K
 from reference_impl.testing import (
     CaseResult,
@@ -36,7 +37,7 @@ from reference_impl.testing import (
     load_cases,
     load_kernel,
 )
-from tracer.format import TraceError
+from tracer.format import ReplayReport, StepResult, TraceError
 
 pytest_plugins = ["pytester"]
 
@@ -184,13 +185,29 @@ def test_ignoring_the_block_table_fails_where_it_matters(h200_cases):
     with pytest.raises(AssertionError) as info:
         assert_kernel_matches(contiguous_blocks, case)
     message = str(info.value)
-    assert "test_testing:contiguous_blocks does NOT match vLLM on h200-qwen2.5-7b-eager/step5/layer0" in message
-    assert "step 5, layer model.layers.0.self_attn.attn" in message
-    assert "max abs error" in message and "> tolerance" in message and "max rel" in message
-    assert "worst: head" in message and "head(s) outside tolerance" in message
     result = check_kernel(contiguous_blocks, case)
+    # The first line is the verdict: what pytest's one-line summary shows.
+    assert message.splitlines()[0] == (
+        f"kernel {contiguous_blocks.__module__}:contiguous_blocks does NOT match vLLM on step 5 layer 0: "
+        f"max abs {result.max_abs:.3g} > tol {result.tol:.3g}"
+    )
+    assert "case h200-qwen2.5-7b-eager/step5/layer0 (request step: 4 request(s)" in message
+    assert "layer model.layers.0.self_attn.attn" in message and "max rel" in message
+    assert "head(s) outside tolerance" in message
     assert not result.ok and result.max_abs > 10 * result.tol
-    assert result.worst[3] in _non_contiguous(case)
+    w = result.worst
+    assert w.request in _non_contiguous(case)
+    # The worst value named as vLLM knows it: request id, position in the sequence, physical block.
+    qsl, seq_lens = case.query_start_loc.tolist(), case.seq_lens.tolist()
+    assert qsl[w.request] <= w.token < qsl[w.request + 1]
+    assert w.position == seq_lens[w.request] - (qsl[w.request + 1] - qsl[w.request]) + (w.token - qsl[w.request])
+    assert w.request_id == case.request_ids[w.request] and w.request_id.startswith(f"{w.request}-")
+    compact = int(case.block_table[w.request, w.position // case.block_size])
+    assert w.block == case.physical_block_ids[compact]
+    assert (
+        f"worst: head {w.head} (max abs {result.heads[w.head].max_abs:.3g}), request {w.request_id!r} "
+        f"(row {w.request}), position {w.position}, block {w.block} (physical), query row {w.token}" in message
+    )
     # Request 0's rows are right: the error lies only in the requests whose blocks are scattered.
     start, stop = case.query_start_loc[:2].tolist()
     out = contiguous_blocks(*case.args, **case.kwargs)
@@ -207,7 +224,7 @@ def test_dropping_the_scale_fails_every_head(h200_cases):
     for case in h200_cases:
         result = check_kernel(unscaled, case)
         assert not result.ok and len(result.bad_heads) == 28
-        assert f"step {case.step}," in result.message() and "worst: head" in result.message()
+        assert f"on step {case.step} layer 0: max abs" in result.message() and "worst: head" in result.message()
 
 
 def test_wrong_shape_nan_and_non_tensor_are_failed_results(h200_cases):
@@ -222,7 +239,8 @@ def test_wrong_shape_nan_and_non_tensor_are_failed_results(h200_cases):
         return out
 
     nan = check_kernel(nan_head, case)
-    assert not nan.ok and nan.nonfinite == 128 and nan.worst[:2] == (2, 5) and nan.bad_heads == (5,)
+    assert not nan.ok and nan.nonfinite == 128 and (nan.worst.token, nan.worst.head) == (2, 5)
+    assert nan.bad_heads == (5,) and math.isnan(nan.heads[5].max_abs) and not nan.heads[5].ok
     assert "128 NaN/inf value(s)" in nan.message()
     assert not check_kernel(lambda *a, **kw: None, case).ok
     # (out, lse), as the reference gives with return_lse, is judged by its first element.
@@ -247,18 +265,49 @@ def test_check_trace_turns_a_raising_kernel_into_a_failed_case():
     report = check_trace(broken, H200, steps=(4, 6), name="mine:broken")
     assert not report.ok and len(report.results) == 2
     assert report.results[0].kernel == "mine:broken"
-    assert "raised RuntimeError: CUDA error: illegal memory access" in report.results[0].message()
+    message = report.results[0].message()
+    assert message.startswith("kernel mine:broken does NOT match vLLM on step 4 layer 0: the kernel raised")
+    assert "raised RuntimeError: CUDA error: illegal memory access (at test_testing.py:" in message
     data = json.loads(json.dumps(report.to_json()))
-    assert data["ok"] is False and data["cases"][0]["max_abs"] is None
+    assert data["ok"] is False and data["steps"][0]["max_abs"] is None
     assert check_trace(F.paged_attention_fast, H200).ok
 
 
 def test_results_serialise(h200_cases):
     result = check_kernel(contiguous_blocks, h200_cases[0])
-    assert isinstance(result, CaseResult)
+    assert isinstance(result, CaseResult) and isinstance(result, StepResult)
     data = json.loads(json.dumps(result.to_json()))
     assert data["ok"] is False and data["worst"]["request"] in _non_contiguous(h200_cases[0])
+    assert data["worst"]["request_id"] == result.worst.request_id and data["worst"]["block"] == result.worst.block
     assert len(data["heads"]) == 28 and data["tol"] == pytest.approx(result.tol)
+    # Per-head objects, as replay writes them: the head's error, relative error, its bar, its verdict.
+    head = data["heads"][result.worst.head]
+    assert set(head) == {"head", "ok", "max_abs", "max_rel", "tol"} and head["ok"] is False
+    assert head["max_abs"] == pytest.approx(result.max_abs) and head["max_abs"] > head["tol"]
+    scale = float(h200_cases[0].reference[:, result.worst.head].abs().max())
+    assert head["max_rel"] == pytest.approx(head["max_abs"] / scale)
+    assert CaseResult.from_json(data) == result
+    assert StepResult.from_json(data).heads == result.heads  # a replay reader reads it as a step
+
+
+def test_kernel_json_has_the_replay_schema(h200_copy):
+    """`replay --kernel M:F --json` and `replay --json`: the same keys, the kernel's extras on top."""
+    code, out = _cli("replay", str(h200_copy), "--json", "--no-save")
+    assert code == 0, out
+    vllm = json.loads(out)
+    code, out = _cli("replay", str(h200_copy), "--kernel", "reference_impl.fast:paged_attention_fast", "--json")
+    assert code == 0, out
+    mine = json.loads(out)
+    assert set(vllm) <= set(mine) and set(mine) - set(vllm) == {"trace"}
+    assert [(s["step"], s["layer"]) for s in mine["steps"]] == [(s["step"], s["layer"]) for s in vllm["steps"]]
+    extras = {"id", "kernel", "vllm_max_abs", "vllm_ref_max_abs", "bad_heads", "worst", "nonfinite", "tol_k", "tol_eps"}
+    for a, b in zip(vllm["steps"], mine["steps"], strict=True):
+        assert set(b) == set(a) | extras
+        assert [set(h) for h in a["heads"]] == [set(h) for h in b["heads"]]
+        assert [h["tol"] for h in b["heads"]] == pytest.approx([h["tol"] for h in a["heads"]])
+    # One reader for both: tracer.format.ReplayReport takes the kernel's JSON too.
+    report = ReplayReport.from_json(mine)
+    assert report.ok and report.kernel == "reference_impl.fast:paged_attention_fast" and len(report.steps) == 6
 
 
 def gathered_on_device(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, *, scale, causal=True):
@@ -353,10 +402,8 @@ def test_plugin_end_to_end_in_a_fresh_process(tmp_path):
             "reference_impl.pytest_plugin",
             "--pyargs",
             "reference_impl.kernel_check",
-            "--pagedtrace-trace",
-            str(H200),
-            "--pagedtrace-kernel",
-            "reference_impl.fast:paged_attention_fast",
+            f"--pagedtrace-trace={H200}",
+            "--pagedtrace-kernel=reference_impl.fast:paged_attention_fast",
             "-q",
             "-p",
             "no:cacheprovider",
@@ -377,46 +424,121 @@ def _run_plugin(pytester, *args):
     )
 
 
-def test_plugin_fails_a_wrong_kernel_with_the_message(pytester, wrong_kernel_dir):
+def test_plugin_fails_a_wrong_kernel_with_the_message(pytester, wrong_kernel_dir, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # a wide terminal: the short summary is not cut
     pytester.syspathinsert(wrong_kernel_dir)
-    result = _run_plugin(pytester, "--pagedtrace-trace", str(H200), "--pagedtrace-kernel", "wrongattn:attn")
+    result = _run_plugin(pytester, f"--pagedtrace-trace={H200}", "--pagedtrace-kernel=wrongattn:attn", "-rf")
     result.assert_outcomes(failed=6)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(
         [
             "*pagedtrace: kernel wrongattn:attn; traces h200-qwen2.5-7b-eager (6 case(s))*",
-            "*wrongattn:attn does NOT match vLLM on h200-qwen2.5-7b-eager/step5/layer0 (step 5, layer model.layers.0*",
-            "*max abs error * > tolerance *",
-            "*worst: head *, token * (request *), dim *",
-            "FAILED *test_kernel_matches_vllm?h200-qwen2.5-7b-eager/step9/layer0?*",
+            "E * kernel wrongattn:attn does NOT match vLLM on step 5 layer 0: max abs * > tol *",
+            "E * case h200-qwen2.5-7b-eager/step5/layer0 (request step: 4 request(s), 4 query token(s)*",
+            "E * worst: head *, request '*' (row *), position *, block * (physical), query row *, dim *",
         ]
     )
+    # The short summary line opens with the verdict, not a module name.
+    summary = [line for line in result.outlines if line.startswith("FAILED") and "step9" in line]
+    assert summary and "AssertionError: kernel wrongattn:attn does NOT match vLLM on step 9 layer 0" in summary[0]
 
 
 def test_plugin_selects_with_k_and_takes_a_file_kernel(pytester, wrong_kernel_dir):
     result = _run_plugin(
         pytester,
-        "--pagedtrace-trace",
-        str(H200),
+        f"--pagedtrace-trace={H200}",
         "-k",
         "step4 or step5",
-        "--pagedtrace-kernel",
-        f"{wrong_kernel_dir / 'wrongattn.py'}:attn",
+        f"--pagedtrace-kernel={wrong_kernel_dir / 'wrongattn.py'}:attn",
     )
     result.assert_outcomes(failed=2)
+    # Named as the user wrote it, never by the private module the file was imported as.
+    result.stdout.fnmatch_lines([f"E * kernel {wrong_kernel_dir / 'wrongattn.py'}:attn does NOT match vLLM on step 4*"])
+    assert "_pagedtrace_kernel" not in result.stdout.str()
+
+
+def test_plugin_shows_the_traceback_of_a_kernel_that_raises(pytester):
+    pytester.makepyfile(
+        boomattn="""
+        def attn(query, *args, **kwargs):
+            return deep(query)
+
+        def deep(query):
+            raise RuntimeError("CUDA error: illegal memory access")
+        """
+    )
+    pytester.syspathinsert()
+    result = _run_plugin(pytester, f"--pagedtrace-trace={H200}", "--pagedtrace-kernel=boomattn:attn", "-k", "step4")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*boomattn.py:*: in attn",
+            '>*raise RuntimeError("CUDA error: illegal memory access")',
+            "E*RuntimeError: CUDA error: illegal memory access",
+            "*The above exception was the direct cause of the following exception:*",
+            "E * kernel boomattn:attn does NOT match vLLM on step 4 layer 0: the kernel raised RuntimeError: "
+            "CUDA error: illegal memory access (at boomattn.py:5 in deep)",
+        ]
+    )
+
+
+def test_plugin_writes_replay_schema_json(pytester, wrong_kernel_dir, tmp_path):
+    pytester.syspathinsert(wrong_kernel_dir)
+    out = tmp_path / "results"
+    result = _run_plugin(
+        pytester, f"--pagedtrace-trace={H200}", "--pagedtrace-kernel=wrongattn:attn", f"--pagedtrace-json={out}"
+    )
+    result.assert_outcomes(failed=6)
+    data = json.loads((out / "h200-qwen2.5-7b-eager.json").read_text())
+    report = ReplayReport.from_json(data)
+    assert not report.ok and [s.step for s in report.steps] == list(range(4, 10))
+    assert data["kernel"] == "wrongattn:attn" and data["layout"] == "flash_nhd"
+    # The same numbers as `replay --kernel M:F --json` prints.
+    code, cli_out = _cli("replay", str(H200), "--kernel", f"{wrong_kernel_dir / 'wrongattn.py'}:attn", "--json")
+    cli = json.loads(cli_out)
+    assert code == 1 and set(cli) == set(data)
+    for a, b in zip(cli["steps"], data["steps"], strict=True):
+        assert set(a) == set(b) and a["max_abs"] == b["max_abs"] and a["heads"] == b["heads"]
 
 
 def test_plugin_without_options_skips(pytester):
     _run_plugin(pytester).assert_outcomes(skipped=1)
-    _run_plugin(pytester, "--pagedtrace-trace", str(H200)).assert_outcomes(skipped=6)
+    _run_plugin(pytester, f"--pagedtrace-trace={H200}").assert_outcomes(skipped=6)
+
+
+def test_spaced_options_are_found():
+    assert spaced_options(["--pagedtrace-trace", "T", "--pagedtrace-kernel=m:f", "-k", "x"]) == ["--pagedtrace-trace"]
+    assert spaced_options(["--pagedtrace-trace=T", "--pagedtrace-device=cuda"]) == []
+
+
+def test_plugin_refuses_an_option_written_with_a_space(tmp_path):
+    """As two words pytest takes the trace for a test path before the plugin loads: rootdir moves."""
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "pyproject.toml").write_text("")  # what would become the rootdir
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    trace = tmp_path / "traces" / "trace"
+    shutil.copytree(H200, trace, ignore=shutil.ignore_patterns("replay.json"))
+    args = ["-p", "reference_impl.pytest_plugin", "--pyargs", "reference_impl.kernel_check", "-p", "no:cacheprovider"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = str(ROOT)
+    run = [sys.executable, "-m", "pytest", *args]
+    proc = subprocess.run([*run, "--pagedtrace-trace", str(trace)], cwd=cwd, capture_output=True, text=True, env=env)
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
+    assert "write --pagedtrace-trace=DIR, with '='" in proc.stderr and f"here {tmp_path / 'traces'}," in proc.stderr
+    proc = subprocess.run([*run, f"--pagedtrace-trace={trace}"], cwd=cwd, capture_output=True, text=True, env=env)
+    assert proc.returncode == pytest.ExitCode.OK, proc.stdout + proc.stderr  # skipped: no kernel given
+    assert f"rootdir: {cwd}" in proc.stdout and "6 skipped" in proc.stdout
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--pagedtrace-kernel", "nocolon"], "--pagedtrace-kernel: bad kernel 'nocolon': expected MODULE:FUNCTION*"),
-        (["--pagedtrace-kernel", "no_such_module_xyz:attn"], "*cannot import 'no_such_module_xyz'*"),
-        (["--pagedtrace-trace", "no-such-trace"], "*--pagedtrace-trace no-such-trace: *not a trace directory*"),
+        (["--pagedtrace-kernel=nocolon"], "--pagedtrace-kernel: bad kernel 'nocolon': expected MODULE:FUNCTION*"),
+        (["--pagedtrace-kernel=no_such_module_xyz:attn"], "*cannot import 'no_such_module_xyz'*"),
+        (["--pagedtrace-trace=no-such-trace"], "*--pagedtrace-trace no-such-trace: *not a trace directory*"),
+        (["--pagedtrace-trace", "no-such-trace"], "*write --pagedtrace-trace=DIR, with '='*"),
+        (["--pagedtrace-trace="], "*argument --pagedtrace-trace: invalid _nonempty value: ''*"),
     ],
 )
 def test_plugin_usage_errors(pytester, args, message):
@@ -440,7 +562,7 @@ def test_plugin_fixture_in_your_own_tests(pytester):
     """
     )
     result = pytester.runpytest(
-        "-p", "reference_impl.pytest_plugin", "--pagedtrace-trace", str(H200), "-p", "no:cacheprovider", "-v"
+        "-p", "reference_impl.pytest_plugin", f"--pagedtrace-trace={H200}", "-p", "no:cacheprovider", "-v"
     )
     result.assert_outcomes(passed=7)
     result.stdout.fnmatch_lines(["*test_loop?h200-qwen2.5-7b-eager/step4/layer0? PASSED*"])
@@ -476,11 +598,11 @@ def test_cli_user_kernel_that_does_not_match_exits_1(h200_copy, wrong_kernel_dir
     )
     assert code == 1, out
     assert "MISMATCH: 2/2 step(s) outside tolerance" in out
-    assert "does NOT match vLLM on trace/step4/layer0" in out and "worst: head" in out
+    assert "does NOT match vLLM on step 4 layer 0: max abs" in out and "worst: head" in out
     code, out = _cli("replay", str(h200_copy), "--kernel", f"{wrong_kernel_dir / 'wrongattn.py'}:attn", "--json")
     assert code == 1
     data = json.loads(out)
-    assert data["ok"] is False and len(data["cases"]) == 6
+    assert data["ok"] is False and len(data["steps"]) == 6
     assert data["kernel"].endswith("wrongattn.py:attn")
 
 
