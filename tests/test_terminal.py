@@ -275,9 +275,8 @@ def test_quiet_and_verbose_are_taken_by_every_command():
 
 
 def test_compiled_kernel_first_build_is_announced(tmp_path, monkeypatch):
-    from pagedtrace.commands.replay import announce_compiled_build
-
     import reference_impl.compiled
+    from pagedtrace.commands.replay import announce_compiled_build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty build cache: a first use
     monkeypatch.setattr(reference_impl.compiled, "_module", None)  # as if not yet built in this process

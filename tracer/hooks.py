@@ -33,6 +33,7 @@ from tracer.format import GapRecord, RunInfo, TraceWriter, layer_matches, step_i
 from tracer.manifest import import_attr, tp_rank, write_manifest
 from tracer.options import TracerOptions
 from tracer.pending import Pending, capture_scales, dtype_name
+from tracer.runtime import capturing, is_warmup_batch
 
 __all__ = ["BACKEND_TARGETS", "RUNNER_METHODS", "RUNNER_TARGETS", "Tracer", "TracerOptions", "active"]
 
@@ -48,7 +49,6 @@ RUNNER_TARGETS = (
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
 )
 #: vLLM's V2 runner warms up with fake requests named ``_warmup_<i>_``.
-WARMUP_REQ_PREFIX = "_warmup_"
 RUNNER_METHODS = ("execute_model", "_dummy_run", "profile_run", "capture_model", "prepare_inputs")
 
 
@@ -250,7 +250,7 @@ class Tracer:
         def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
             result = original(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
             name = getattr(layer, "layer_name", "")
-            if tracer._wants(name) and not _capturing():
+            if tracer._wants(name) and not capturing():
                 n = slot_mapping.shape[0]
                 entry = {"slot_mapping": slot_mapping.detach().clone()}
                 if tracer._wants_tensors():
@@ -295,7 +295,7 @@ class Tracer:
     def _wants_tensors(self) -> bool:
         if not (self.options.tensors and self._kind() == "request"):
             return False
-        return not _is_warmup_batch(self._v2_req_ids)
+        return not is_warmup_batch(self._v2_req_ids)
 
     def _on_forward(self, impl, layer, query, kv_cache, attn_metadata, output) -> None:
         name = getattr(layer, "layer_name", "") or f"layer{id(layer)}"
@@ -319,7 +319,7 @@ class Tracer:
         if self.options.layers == "first" and self._layer_locked is None:
             self._layer_locked = name
         self._seen_in_step = True
-        if _capturing():
+        if capturing():
             if self._gap_noted_step != self.step:
                 self._gap_noted_step = self.step
                 self._record_gap(
@@ -368,7 +368,7 @@ class Tracer:
             dev.update(kv_in)
         req_ids = self._req_ids(num_reqs)
         kind = self._kind()
-        if kind == "request" and _is_warmup_batch(req_ids):
+        if kind == "request" and is_warmup_batch(req_ids):
             kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
         pending = Pending(self.step, kind, name, impl, metadata, dev, kv_cache, req_ids, capture_scales(layer))
         self._pending.append(pending)
@@ -401,7 +401,7 @@ class Tracer:
                         # V2 runner's warm-up cleanup). Without a gap its number would be unexplained.
                         finished = tuple(sorted(str(r) for r in getattr(sched, "finished_req_ids", ()) or ()))
                         self._record_gap(
-                            "warmup" if _is_warmup_batch(finished) else kind,
+                            "warmup" if is_warmup_batch(finished) else kind,
                             f"empty-step: no tokens scheduled; execute_model returned without running the model "
                             f"({len(finished)} finished request(s) freed)",
                             0,
@@ -495,29 +495,3 @@ class Tracer:
                 except OSError as exc:
                     self._fail(f"pagedtrace: cannot finish the trace's manifest in {self.options.directory}: {exc}")
             self._writer = None
-
-
-def _is_warmup_batch(req_ids: tuple[str, ...] | None) -> bool:
-    """True for the V2 runner's fake warm-up requests (``_warmup_<i>_``)."""
-    if not req_ids:
-        return False
-    return all(r.startswith(WARMUP_REQ_PREFIX) for r in req_ids)
-
-
-@functools.lru_cache(maxsize=1)
-def _cuda_available() -> bool:
-    # Asked once: torch.cuda.is_available() costs ~0.3 ms a call, too much for every forward.
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _capturing() -> bool:
-    if not _cuda_available():
-        return False
-    import torch
-
-    return bool(torch.cuda.is_current_stream_capturing())

@@ -18,6 +18,8 @@ torch are imported lazily, only to read or write tensors).
 
 from __future__ import annotations
 
+from tracer.format.jsonfields import finite_or_none
+from tracer.format.kernel_verdicts import CaseResult, WorstValue
 from tracer.format.layouts import LAYOUTS, REGISTRY, STORED_LAYOUTS, Layout, describe_layout, element_offset
 from tracer.format.records import (
     STEP_KINDS,
@@ -66,7 +68,6 @@ from tracer.format.store import (
 )
 from tracer.format.verdicts import (
     AttentionVerdict,
-    CaseResult,
     HeadResult,
     LegacyCheck,
     MetadataCheck,
@@ -74,9 +75,7 @@ from tracer.format.verdicts import (
     ReplayReport,
     StepResult,
     Tolerance,
-    WorstValue,
     WriteCheck,
-    finite_or_none,
 )
 from tracer.format.version import FORMAT_VERSION, READABLE_VERSIONS, __version__
 
