@@ -125,16 +125,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     quiet = verbosity(args) == QUIET
     if args.kernel == "compiled" and not quiet:
         announce_compiled_build(log_console)
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}", markup=False),  # names a path
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=log_console,
-        transient=True,
-        disable=args.json or quiet or not console.is_terminal,
-    ) as progress:
+    with _progress(log_console, disable=args.json or quiet or not console.is_terminal) as progress:
         task = progress.add_task(f"replaying {trace.path.name} ({args.kernel})", total=None)
 
         def on_step(done: int, total: int, result) -> None:
@@ -257,6 +248,20 @@ def _record_ok(r, writes: dict, legacies: dict, metadata: dict) -> bool:
     write, legacy = writes.get((r.step, r.layer)), legacies.get((r.step, r.layer))
     meta = metadata.get((r.step, r.layer), [])
     return bool(r.ok and (write is None or write.ok) and (legacy is None or legacy.ok) and all(c.ok for c in meta))
+
+
+def _progress(console: Console, *, disable: bool) -> Progress:
+    """The replay progress bar: one task per trace, transient."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}", markup=False),  # names a path
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=disable,
+    )
 
 
 def announce_compiled_build(console: Console) -> None:
@@ -391,16 +396,7 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
         fn = load_kernel(args.kernel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}", markup=False),  # names a path
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=args.json or not console.is_terminal,
-    ) as progress:
+    with _progress(console, disable=args.json or not console.is_terminal) as progress:
         task = progress.add_task(f"checking {args.kernel} on {trace.path.name}", total=None)
 
         def on_case(done: int, total: int, result) -> None:
