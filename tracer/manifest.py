@@ -29,6 +29,7 @@ from tracer.format import (
     store_sources,
 )
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS, TracerOptions
+from tracer.pending import dtype_name
 
 __all__ = [
     "build_run_info",
@@ -210,7 +211,7 @@ def _model_summary(cfg: Any) -> ModelSummary | None:
         head_size=int(mc.get_head_size()),
         hidden_size=int(getattr(hf, "hidden_size", 0) or 0),
         vocab_size=int(getattr(hf, "vocab_size", 0) or 0),
-        dtype=_dtype_name(mc.dtype),
+        dtype=dtype_name(mc.dtype),
         max_model_len=int(mc.max_model_len),
         weights=os.environ.get(ENV_WEIGHTS) or str(cfg.load_config.load_format),
     )
@@ -239,7 +240,7 @@ def kv_cache_spec(impl: Any, kv_cache: Any, layer: str, cfg: Any) -> KVCacheSpec
         block_size=bs,
         num_kv_heads=h,
         head_size=d2 // 2,
-        dtype=_dtype_name(kv_cache.dtype),
+        dtype=dtype_name(kv_cache.dtype),
         cache_dtype=str(getattr(impl, "kv_cache_dtype", "auto")),
         element_size=int(kv_cache.element_size()),
         shape=(nb, h, bs, d2),
@@ -277,10 +278,6 @@ def _backend_class(impl: Any) -> Any:
     if name == "CPUAttentionBackendImpl":
         return import_attr("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend")
     return None
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _cpu_name() -> str:

@@ -118,9 +118,9 @@ def capture_scales(layer: Any) -> dict[str, Any]:
     return out
 
 
-def dtype_name(tensor: Any) -> str:
-    """``torch.float8_e4m3fn`` -> ``float8_e4m3fn``: a tensor's dtype without a host sync."""
-    return str(tensor.dtype).removeprefix("torch.")
+def dtype_name(tensor_or_dtype: Any) -> str:
+    """``torch.float8_e4m3fn`` -> ``float8_e4m3fn``: a dtype, or a tensor's (no host sync)."""
+    return str(getattr(tensor_or_dtype, "dtype", tensor_or_dtype)).removeprefix("torch.")
 
 
 def _scale_value(value: Any) -> float | None:

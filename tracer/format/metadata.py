@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tracer.format.records import KVCacheSpec, RunInfo, StepRecord
+from tracer.format.requests import session_id_of
 from tracer.format.selection import layer_index
 from tracer.format.store import SESSION, Trace
 from tracer.format.verdicts import MetadataCheck, MetadataProblem
@@ -216,10 +217,8 @@ def _request_tokens(request_id: str, tokens: Tokens | None) -> Sequence[int] | N
     """The tokens of a record's request id (vLLM 0.26 appends ``-<hex>`` to the user's id)."""
     if tokens is None or not request_id:
         return None
-    if request_id in tokens:
-        return tokens[request_id]
-    base, sep, _suffix = request_id.rpartition("-")
-    return tokens.get(base) if sep else None
+    matched = session_id_of(request_id, tokens.keys())
+    return None if matched is None else tokens[matched]
 
 
 def _check_shared(record: StepRecord, bs: int, tokens: Tokens | None) -> MetadataCheck:

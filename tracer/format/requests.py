@@ -13,13 +13,14 @@ through here. Standard library only.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.format.records import StepRecord, TraceError
 from tracer.format.store import SESSION, Trace
 
-__all__ = ["Appearance", "RequestView", "request_layer", "request_views", "session_tokens"]
+__all__ = ["Appearance", "RequestView", "request_layer", "request_views", "session_id_of", "session_tokens"]
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,20 @@ def session_tokens(trace: Trace) -> dict[str, Any] | None:
     return data
 
 
-def _session_index(request_id: str, session_ids: list[str]) -> int | None:
-    """vLLM adds a random suffix to the ids the frontend gave (``0`` -> ``0-a0c640ce``)."""
+def session_id_of(request_id: str, session_ids: Collection[str]) -> str | None:
+    """The id among ``session_ids`` (what ``pagedtrace run`` asked for) that the engine's ``request_id`` is.
+
+    vLLM 0.26 appends a random suffix to the ids the frontend gave (``0`` -> ``0-a0c640ce``).
+    """
     if request_id in session_ids:
-        return session_ids.index(request_id)
-    head = request_id.rsplit("-", 1)[0]
-    return session_ids.index(head) if head in session_ids else None
+        return request_id
+    head, sep, _suffix = request_id.rpartition("-")
+    return head if sep and head in session_ids else None
+
+
+def _session_index(request_id: str, session_ids: list[str]) -> int | None:
+    matched = session_id_of(request_id, session_ids)
+    return None if matched is None else session_ids.index(matched)
 
 
 def _rows(record: StepRecord) -> list[tuple[str, Appearance]]:
