@@ -28,8 +28,21 @@ __all__ = [
 ]
 
 
-def start(directory, *, layers="first", steps=(None, None), tensors=False, budget_mb=256.0, export_env=True):
-    """Install the tracer in this process (and, via env, in vLLM's child processes)."""
+def start(
+    directory,
+    *,
+    layers="first",
+    steps=(None, None),
+    tensors=False,
+    budget_mb=256.0,
+    kv_check_every=0,
+    export_env=True,
+):
+    """Install the tracer in this process (and, via env, in vLLM's child processes).
+
+    ``kv_check_every``: with ``tensors``, every N-th tensor step of a layer also stores its
+    blocks whole, to check the KV write log's rebuild against (0: never).
+    """
     from tracer.hooks import Tracer
     from tracer.options import TracerOptions
 
@@ -39,6 +52,7 @@ def start(directory, *, layers="first", steps=(None, None), tensors=False, budge
         steps=tuple(steps),
         tensors=tensors,
         budget_bytes=int(budget_mb * 2**20),
+        kv_check_every=int(kv_check_every),
     )
     return Tracer(options).start(export_env=export_env)
 

@@ -1,20 +1,28 @@
-"""Wrap vLLM's attention backends and model runners; record what attention receives.
+"""Wrap vLLM's model runners and attention backends; record what attention receives.
 
-The hooks only record: in ``forward`` / ``do_kv_cache_update`` they clone the few
-tensors they need *on the device* (no host sync) and append a ``tracer.pending.Pending``.
-When the model runner's step returns, ``Tracer._flush`` has each one copy itself to the
-host and shape its record, then writes them. The manifest (``tracer.manifest.write_manifest``)
-goes to disk before the first line of ``steps.jsonl`` and is completed by the first record and
-by ``stop()``, so a trace killed at any point after that opens. Nothing is copied while a
-CUDA graph is being captured: that would abort the capture and crash the engine.
+Request steps are recorded where the model runner prepares them, so every step has a
+record whatever the CUDA-graph mode: a full graph replays without calling Python
+``forward``, but the runner still builds that step's attention metadata. At the end of
+``execute_model`` the hooks read it (the V1 runner passes it to ``set_forward_context``;
+the V2 runner keeps it in ``execute_model_state``, and ``dispatch_cg_and_sync_dp`` says
+which graph ran), queue non-blocking copies of its tensors into a pinned ring slot,
+record a CUDA event and hand the slot to the writer thread (``tracer.ring``). Nothing on
+the step waits for the device; JSON and files are written on that thread.
+
+``forward`` / ``do_kv_cache_update`` add what only they see: the query's dtype, and for
+tensor steps device-side clones of query / output / key / value plus the KV write log's
+gathers (``tracer.writelog``). Warm-up and profile passes are recorded from ``forward``
+(the runner gives them no scheduler output). Nothing is copied while a CUDA graph is being
+captured: that would abort the capture and crash the engine.
 
 Patched (when importable):
 
 * ``vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward`` / ``.do_kv_cache_update``
 * ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` / ``.do_kv_cache_update``
-* the V1 and V2 ``GPUModelRunner`` (``CPUModelRunner`` inherits V1):
-  ``execute_model``, ``_dummy_run``, ``profile_run``, ``capture_model`` to number steps,
-  tell profile / warm-up / request steps apart and notice steps attention never saw.
+* the V1 and V2 ``GPUModelRunner`` (``CPUModelRunner`` inherits V1): ``execute_model``,
+  ``_dummy_run``, ``profile_run``, ``capture_model``, ``prepare_inputs`` to number steps and
+  tell profile / warm-up / request steps apart; the runner modules' ``set_forward_context``
+  and the V2 runner's ``dispatch_cg_and_sync_dp`` to see each step's metadata and graph.
 """
 
 from __future__ import annotations
@@ -23,23 +31,26 @@ import atexit
 import contextlib
 import functools
 import logging
+import math
 import os
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tracer.format import GapRecord, RunInfo, TraceWriter, layer_matches, step_in_range
-from tracer.manifest import import_attr, tp_rank, write_manifest
+from tracer.format import GapRecord, RunInfo, StepRecord, TraceWriter, layer_index, layer_matches, step_in_range
+from tracer.manifest import import_attr, kv_layout_of, tp_rank, write_manifest
 from tracer.options import TracerOptions
-from tracer.pending import Pending, capture_scales, dtype_name
-from tracer.runtime import capturing, is_warmup_batch
+from tracer.pending import LayerCapture, LayerStatic, capture_scales, dtype_name, read_static_floats
+from tracer.ring import Slot, SlotPool, WriterThread, record_event
+from tracer.runtime import capturing, cuda_available, is_warmup_batch
+from tracer.writelog import WriteLog, clone_read_blocks, gather_written, geometry_of
 
-__all__ = ["BACKEND_TARGETS", "RUNNER_METHODS", "RUNNER_TARGETS", "Tracer", "TracerOptions", "active"]
+__all__ = ["BACKEND_TARGETS", "MODULE_TARGETS", "RUNNER_METHODS", "RUNNER_TARGETS", "Tracer", "TracerOptions", "active"]
 
 logger = logging.getLogger("pagedtrace")
 
-#: (module, class, methods) patched when the module imports.
 BACKEND_TARGETS = (
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl"),
@@ -48,9 +59,19 @@ RUNNER_TARGETS = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
 )
-#: vLLM's V2 runner warms up with fake requests named ``_warmup_<i>_``.
 RUNNER_METHODS = ("execute_model", "_dummy_run", "profile_run", "capture_model", "prepare_inputs")
+#: Module-level functions the runners call by name: (module, function).
+MODULE_TARGETS = (
+    ("vllm.v1.worker.gpu_model_runner", "set_forward_context"),
+    ("vllm.v1.worker.gpu.model_runner", "set_forward_context"),
+    ("vllm.v1.worker.gpu.model_runner", "dispatch_cg_and_sync_dp"),
+)
 
+#: The one line said when tensors are asked for but a step ran as a full CUDA graph.
+FULL_GRAPH_TENSORS = (
+    "pagedtrace: steps replayed as full CUDA graphs carry metadata only (Python forward() is not called); "
+    "for tensors of every step use cudagraph_mode PIECEWISE or enforce_eager"
+)
 
 _ACTIVE: Tracer | None = None
 _LOCK = threading.Lock()
@@ -61,29 +82,50 @@ def active() -> Tracer | None:
     return _ACTIVE
 
 
+def read_columns(md: Any, block_size: int) -> int:
+    """Block-table columns a step reads: ``ceil(max_seq_len / block_size)``, at most the table's width."""
+    return min(int(md.block_table.shape[1]), max(1, math.ceil(int(md.max_seq_len) / block_size)))
+
+
+def _graph_mode(mode: Any) -> str:
+    """vLLM's ``CUDAGraphMode`` (or None) as ``StepRecord.cudagraph``."""
+    name = str(getattr(mode, "name", mode or "NONE")).lower()
+    return name if name in ("none", "piecewise", "full") else "none"
+
+
 class Tracer:
     """Installs the hooks in this process and writes one trace directory.
 
     ``start()`` / ``stop()`` are symmetric; a second ``start()`` (of this or any
     tracer) raises; a start that fails half-way unpatches what it patched.
+    ``throttle``: seconds the writer thread sleeps per step (tests: a slow disk).
     """
 
-    def __init__(self, options: TracerOptions):
+    def __init__(self, options: TracerOptions, *, ring_slots: int = 8, throttle: float = 0.0):
         self.options = options
-        self._patched: list[tuple[type, str, Any]] = []
+        self._patched: list[tuple[Any, str, Any]] = []
         self._env_backup: dict[str, str | None] = {}
         self._writer: TraceWriter | None = None
         self._write_failed = False
         #: Why the trace is incomplete (the first write or recording failure), or None.
         self.error: str | None = None
-        self._warned = False
+        self._warned: set[str] = set()
         self._manifest_written = False  # with the first record's backend and KV cache
         self._run_info: RunInfo | None = None  # the manifest on disk, once written
         self._layer_locked: str | None = None
         self._runner: Any = None
         self._vllm_config: Any = None
-        self._pending: list[Pending] = []
+        self._static: dict[str, LayerStatic] = {}
         self._kv_inputs: dict[str, dict[str, Any]] = {}
+        self._pool = SlotPool(ring_slots)
+        self._ring_slots = ring_slots
+        self._throttle = throttle
+        self._thread: WriterThread | None = None
+        self._slot: Slot | None = None  # the step being filled
+        self._log = WriteLog(options.kv_check_every)
+        self._log_valid: dict[str, bool] = {}  # layer -> every write since its last tensor step is logged
+        self._logged_now: set[str] = set()
+        self._model_ran = False
         # step bookkeeping
         self.step = -1
         self._depth = 0
@@ -92,7 +134,11 @@ class Tracer:
         self._seen_layers: set[str] = set()
         self._gap_noted_step = -1
         self._v2_req_ids: tuple[str, ...] | None = None
-        self.stats = {"records": 0, "gaps": 0, "tensor_files": 0}
+        self._fc: tuple[Any, str, int | None] | None = None  # set_forward_context's metadata, mode, padded size
+        self._dispatch: tuple[str, int | None] | None = None  # the V2 runner's graph choice
+        self._fwd_md: dict[str, Any] = {}  # request steps: the metadata forward() saw, per layer
+        self._step_tensors: dict[str, dict[str, Any]] = {}
+        self.stats = {"records": 0, "gaps": 0, "tensor_files": 0, "ring_waits": 0}
 
     # -- install / uninstall -------------------------------------------------
 
@@ -114,6 +160,7 @@ class Tracer:
             if not any(name == "forward" for _, name, _ in self._patched):
                 self._uninstall()
                 raise RuntimeError("no vLLM attention backend found to trace (is vLLM 0.26 installed?)")
+            self._thread = WriterThread(self._pool, self._handle_slot, self._on_writer_error, throttle=self._throttle)
             _ACTIVE = self
             if export_env:
                 env = self.options.to_env()
@@ -123,16 +170,20 @@ class Tracer:
         return self
 
     def stop(self) -> None:
-        """Flush what is pending, unpatch, close the trace. Safe to call twice."""
+        """Write what is in flight, unpatch, close the trace. Safe to call twice."""
         global _ACTIVE
         with _LOCK:
             if _ACTIVE is not self:
                 return
             try:
                 try:
-                    self._flush()
+                    self._submit_slot()
                 except Exception as exc:  # noqa: BLE001 - the session's tokens matter more
                     self._fail(f"pagedtrace: recording failed ({exc!r}); the last step is not in the trace")
+                if self._thread is not None:
+                    self._thread.close()
+                    self._thread = None
+                self.stats["ring_waits"] = self._pool.waits
                 self._finish()
             finally:
                 self._uninstall()
@@ -144,6 +195,12 @@ class Tracer:
                 self._env_backup = {}
                 _ACTIVE = None
                 atexit.unregister(self._atexit)
+
+    def drain(self) -> None:
+        """Wait until every step so far is on disk (tests, and readers of a live trace)."""
+        self._submit_slot()
+        if self._thread is not None:
+            self._thread.drain()
 
     def __enter__(self) -> Tracer:
         return self.start()
@@ -170,20 +227,25 @@ class Tracer:
             for method in RUNNER_METHODS:
                 if method in vars(cls):
                     self._patch(cls, method, self._wrap_runner(method))
+        for module_name, func in MODULE_TARGETS:
+            if import_attr(module_name, func) is None:
+                continue
+            make = self._wrap_forward_context if func == "set_forward_context" else self._wrap_dispatch
+            self._patch(sys.modules[module_name], func, make)
 
-    def _patch(self, cls: type, name: str, make_wrapper: Any) -> None:
-        original = vars(cls).get(name)
+    def _patch(self, owner: Any, name: str, make_wrapper: Any) -> None:
+        original = vars(owner).get(name)
         if original is None:
             return
         wrapper = make_wrapper(original)
         wrapper.__pagedtrace_original__ = original
-        setattr(cls, name, wrapper)
-        self._patched.append((cls, name, original))
+        setattr(owner, name, wrapper)
+        self._patched.append((owner, name, original))
 
     def _uninstall(self) -> None:
         while self._patched:
-            cls, name, original = self._patched.pop()
-            setattr(cls, name, original)
+            owner, name, original = self._patched.pop()
+            setattr(owner, name, original)
 
     # -- wrappers -----------------------------------------------------------
 
@@ -225,10 +287,7 @@ class Tracer:
                 assert effective is not None  # prepare_inputs has its own wrapper above
                 new_step = counts_step and tracer._depth == 0
                 if new_step:
-                    tracer.step += 1
-                    tracer._seen_in_step = False
-                    tracer._seen_layers.clear()
-                    tracer._v2_req_ids = None
+                    tracer._begin_step()
                 tracer._phase.append(effective)
                 tracer._depth += counts_step
                 try:
@@ -237,11 +296,37 @@ class Tracer:
                     tracer._depth -= counts_step
                     tracer._phase.pop()
                     if new_step:
-                        tracer._end_step(method, effective, args, kwargs)
+                        tracer._end_step(method, effective, runner, args, kwargs)
 
             return wrapper
 
         return make
+
+    def _wrap_forward_context(self, original):
+        tracer = self
+
+        @functools.wraps(original)
+        def set_forward_context(attn_metadata, *args, **kwargs):
+            if tracer._depth == 1 and tracer._phase == ["request"]:
+                desc = kwargs.get("batch_descriptor")
+                padded = getattr(desc, "num_tokens", None) or kwargs.get("num_tokens")
+                tracer._fc = (attn_metadata, _graph_mode(kwargs.get("cudagraph_runtime_mode")), padded)
+            return original(attn_metadata, *args, **kwargs)
+
+        return set_forward_context
+
+    def _wrap_dispatch(self, original):
+        tracer = self
+
+        @functools.wraps(original)
+        def dispatch_cg_and_sync_dp(*args, **kwargs):
+            result = original(*args, **kwargs)
+            with contextlib.suppress(Exception):  # an unexpected shape: the step just lacks the graph
+                desc = result[0]
+                tracer._dispatch = (_graph_mode(desc.cg_mode), int(desc.num_tokens))
+            return result
+
+        return dispatch_cg_and_sync_dp
 
     def _wrap_kv_update(self, original):
         tracer = self
@@ -250,7 +335,7 @@ class Tracer:
         def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
             result = original(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
             name = getattr(layer, "layer_name", "")
-            if tracer._wants(name) and not capturing():
+            if tracer._kind() == "request" and tracer._wants(name) and not capturing():
                 n = slot_mapping.shape[0]
                 entry = {"slot_mapping": slot_mapping.detach().clone()}
                 if tracer._wants_tensors():
@@ -275,7 +360,7 @@ class Tracer:
 
         return forward
 
-    # -- recording ----------------------------------------------------------
+    # -- what to record ------------------------------------------------------
 
     def _kind(self) -> str:
         return self._phase[-1] if self._phase else "request"
@@ -288,23 +373,62 @@ class Tracer:
             return True
         if sel == "first":
             if self._layer_locked is None:
-                return True  # decided in _on_forward
+                return True  # decided when a layer is first recorded
             return layer_name == self._layer_locked
         return layer_matches(layer_name, sel)
 
     def _wants_tensors(self) -> bool:
         if not (self.options.tensors and self._kind() == "request"):
             return False
+        if self._writer is not None and self._writer.budget_exhausted:
+            return False
         return not is_warmup_batch(self._v2_req_ids)
+
+    def _static_of(self, name: str, impl: Any = None, module: Any = None, kv_cache: Any = None) -> LayerStatic | None:
+        """The layer's static facts; learned from ``forward``, else from vLLM's forward context."""
+        static = self._static.get(name)
+        if static is None:
+            if impl is None:
+                ctx = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", {})
+                module = ctx.get(name)
+                impl = getattr(module, "impl", None)
+                caches = getattr(module, "kv_cache", None)
+                kv_cache = caches[0] if isinstance(caches, (list, tuple)) and caches else caches
+                if impl is None or kv_cache is None or not hasattr(kv_cache, "shape") or kv_cache.dim() != 4:
+                    return None
+            static = self._static[name] = LayerStatic(name, impl, module, kv_cache)
+        elif kv_cache is not None and static.kv_cache is not kv_cache:
+            static.kv_cache, static.geometry = kv_cache, None
+        return static
+
+    # -- steps ---------------------------------------------------------------
+
+    def _begin_step(self) -> None:
+        self._submit_slot()
+        self.step += 1
+        self._seen_in_step = False
+        self._seen_layers.clear()
+        self._v2_req_ids = None
+        self._fc = None
+        self._dispatch = None
+        self._fwd_md = {}
+        self._step_tensors = {}
+        self._kv_inputs.clear()
+        self._logged_now = set()
+        self._model_ran = False
 
     def _on_forward(self, impl, layer, query, kv_cache, attn_metadata, output) -> None:
         name = getattr(layer, "layer_name", "") or f"layer{id(layer)}"
+        static = self._static_of(name, impl, layer, kv_cache)
+        if static is not None:
+            static.query_dtype = dtype_name(query)
         if name in self._seen_layers:
             # The same layer again without a runner step around it: a new forward pass
             # (the V2 runner's CUDA-graph warm-up and capture loop calls the model directly).
-            self.step += 1
-            self._seen_layers.clear()
+            self._end_pass()
+            self._begin_step()
         self._seen_layers.add(name)
+        self._model_ran = True
         if attn_metadata is None:
             # Profile runs build no attention metadata: vLLM skips attention itself.
             if self._gap_noted_step != self.step:
@@ -328,16 +452,79 @@ class Tracer:
                     int(attn_metadata.num_actual_tokens),
                 )
             return
+        assert static is not None
+        if self._kind() == "request" and self._depth == 1:
+            # Recorded when the runner's step ends; forward adds the tensors.
+            self._fwd_md[name] = attn_metadata
+            if self._wants_tensors():
+                self._capture_tensors(static, query, attn_metadata, output)
+            return
         md = attn_metadata
+        num_reqs = int(md.seq_lens.shape[0])
+        self._capture(static, md, num_reqs, int(md.num_actual_tokens), self._req_ids(num_reqs), "none", None)
+
+    def _capture_tensors(self, static: LayerStatic, query, md, output) -> None:
+        """Device-side clones for a tensor step (queued on the stream: no host sync)."""
         n = int(md.num_actual_tokens)
+        kv_in = self._kv_inputs.pop(static.name, None) or {}
+        slot_mapping = kv_in.get("slot_mapping")
+        if slot_mapping is None:
+            slot_mapping = md.slot_mapping[:n]
+        if static.geometry is None:
+            static.layout = static.layout or kv_layout_of(static.impl, static.kv_cache)
+            static.geometry = geometry_of(static.kv_cache, static.layout)
+        num_reqs = int(md.seq_lens.shape[0])
+        blocks, cols = clone_read_blocks(static.kv_cache, md.block_table, num_reqs, int(md.max_seq_len))
+        tensors = {
+            "query": query[:n].detach().clone(),
+            "output": output[:n].detach().clone(),
+            "written": gather_written(static.geometry, slot_mapping[:n], static.kv_cache.dtype),
+            "read_blocks": blocks,
+            "cols": cols,
+        }
+        for k in ("key", "value"):
+            if k in kv_in:
+                tensors[k] = kv_in[k]
+        self._step_tensors[static.name] = tensors
+
+    def _capture(
+        self,
+        static: LayerStatic,
+        md: Any,
+        num_reqs: int,
+        num_tokens: int,
+        req_ids: tuple[str, ...],
+        cudagraph: str,
+        padded: int | None,
+        *,
+        kind: str | None = None,
+        tensors: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue one layer's record of this step into the slot (host copies, no sync)."""
+        slot = self._slot
+        if slot is None:
+            slot = self._slot = self._pool.acquire()
+            slot.payload = {"captures": [], "hosts": {}, "gaps": []}
+        hosts = slot.payload["hosts"]
+        host = hosts.get(id(md))  # the layers of one KV-cache group share their metadata
+        if host is None:
+            cols = tensors["cols"] if tensors else read_columns(md, static.block_size)
+            key = str(len(hosts))
+            host = hosts[id(md)] = {
+                "query_start_loc": slot.host(key + "qsl", md.query_start_loc[: num_reqs + 1]),
+                "seq_lens": slot.host(key + "sl", md.seq_lens[:num_reqs]),
+                "block_table": slot.host(key + "bt", md.block_table[:num_reqs, :cols]),
+                "slot_mapping": slot.host(key + "sm", md.slot_mapping[:num_tokens]),
+            }
         window = getattr(md, "sliding_window", None)
         if window is None:
-            window = getattr(impl, "sliding_window", None)
+            window = getattr(static.impl, "sliding_window", None)
         if isinstance(window, int):  # the CPU backend keeps one int, -1 = none
             window = (-1, -1) if window < 0 else (window - 1, 0)
         causal = getattr(md, "causal", True)
+        impl = static.impl
         metadata = {
-            "num_actual_tokens": n,
+            "num_actual_tokens": num_tokens,
             "max_query_len": int(md.max_query_len),
             "max_seq_len": int(md.max_seq_len),
             "causal": bool(causal) if not hasattr(causal, "shape") else True,
@@ -349,29 +536,26 @@ class Tracer:
             "num_heads": int(impl.num_heads),
             "num_kv_heads": int(impl.num_kv_heads),
             "head_size": int(impl.head_size),
-            # float8_e4m3fn when the layer quantized the query for FA3's fp8 path (a dtype: no sync)
-            "query_dtype": dtype_name(query),
+            "cudagraph": cudagraph,
+            "padded_tokens": padded if padded is not None else num_tokens,
         }
-        num_reqs = int(md.seq_lens.shape[0])
-        dev = {
-            "query_start_loc": md.query_start_loc[: num_reqs + 1].detach().clone(),
-            "seq_lens": md.seq_lens.detach().clone(),
-            "block_table": md.block_table[:num_reqs].detach().clone(),
-        }
-        kv_in = self._kv_inputs.pop(name, None) or {}
-        dev["slot_mapping"] = kv_in.pop("slot_mapping", None)
-        if dev["slot_mapping"] is None:
-            dev["slot_mapping"] = md.slot_mapping[:n].detach().clone()
-        if self._wants_tensors():
-            dev["query"] = query[:n].detach().clone()
-            dev["output"] = output[:n].detach().clone()
-            dev.update(kv_in)
-        req_ids = self._req_ids(num_reqs)
-        kind = self._kind()
-        if kind == "request" and is_warmup_batch(req_ids):
-            kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
-        pending = Pending(self.step, kind, name, impl, metadata, dev, kv_cache, req_ids, capture_scales(layer))
-        self._pending.append(pending)
+        scales = None
+        if static.scales is None or getattr(static.module, "calculate_kv_scales", False):
+            scales = capture_scales(static.module)
+        capture_kind = kind or self._kind()
+        if capture_kind == "request" and is_warmup_batch(req_ids):
+            capture_kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
+        reset = False
+        if tensors is not None:
+            reset = not self._log_valid.get(static.name, False)
+            self._log_valid[static.name] = True
+            self._logged_now.add(static.name)
+            for value in tensors.values():
+                if hasattr(value, "element_size"):
+                    self._pool.hold(slot, value.numel() * value.element_size())
+        slot.payload["captures"].append(
+            LayerCapture(self.step, capture_kind, static, metadata, host, req_ids, scales, tensors, reset)
+        )
 
     def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
         ids: Any = self._v2_req_ids
@@ -383,52 +567,190 @@ class Tracer:
         ids = tuple(str(i) for i in list(ids)[:num_reqs])
         return ids + ("",) * (num_reqs - len(ids))
 
-    def _end_step(self, method: str, kind: str, args: tuple, kwargs: dict) -> None:
+    def _end_step(self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict) -> None:
         try:
-            if not self._seen_in_step and step_in_range(self.step, self.options.steps):
-                if method == "execute_model":
-                    sched = args[0] if args else kwargs.get("scheduler_output")
-                    num = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
-                    if num > 0:
-                        self._record_gap(
-                            kind,
-                            "cuda-graph-replay: attention ran inside a CUDA graph, Python forward() was not called",
-                            num,
-                        )
-                    elif sched is not None and hasattr(sched, "total_num_scheduled_tokens"):
-                        # Counted as a step, but the runner returned before the model ran: the
-                        # scheduler only passed finished request ids (after requests finish; the
-                        # V2 runner's warm-up cleanup). Without a gap its number would be unexplained.
-                        finished = tuple(sorted(str(r) for r in getattr(sched, "finished_req_ids", ()) or ()))
-                        self._record_gap(
-                            "warmup" if is_warmup_batch(finished) else kind,
-                            f"empty-step: no tokens scheduled; execute_model returned without running the model "
-                            f"({len(finished)} finished request(s) freed)",
-                            0,
-                        )
-                elif kind == "profile":
-                    self._record_gap(kind, "profile run: vLLM skips attention", 0)
-            self._flush()
+            if method == "execute_model" and kind == "request":
+                self._end_request_step(runner, args, kwargs)
+            elif not self._seen_in_step and kind == "profile" and step_in_range(self.step, self.options.steps):
+                self._record_gap(kind, "profile run: vLLM skips attention", 0)
+            self._end_pass()
+            self._submit_slot()
         except Exception as exc:  # noqa: BLE001
             self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
-            self._pending.clear()
+            self._drop_slot()
+
+    def _end_pass(self) -> None:
+        """A forward pass is over: a layer whose cache was written without a log entry loses its log."""
+        if self._model_ran:
+            for name, valid in self._log_valid.items():
+                if valid and name not in self._logged_now:
+                    self._log_valid[name] = False
+        self._logged_now = set()
+
+    def _end_request_step(self, runner: Any, args: tuple, kwargs: dict) -> None:
+        sched = args[0] if args else kwargs.get("scheduler_output")
+        num_tokens = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+        if not step_in_range(self.step, self.options.steps):
+            self._model_ran = self._model_ran or num_tokens > 0
+            return
+        if num_tokens == 0:
+            if sched is not None and hasattr(sched, "total_num_scheduled_tokens"):
+                # Counted as a step, but the runner returned before the model ran: the
+                # scheduler only passed finished request ids (after requests finish; the
+                # V2 runner's warm-up cleanup). Without a gap its number would be unexplained.
+                finished = tuple(sorted(str(r) for r in getattr(sched, "finished_req_ids", ()) or ()))
+                self._record_gap(
+                    "warmup" if is_warmup_batch(finished) else "request",
+                    f"empty-step: no tokens scheduled; execute_model returned without running the model "
+                    f"({len(finished)} finished request(s) freed)",
+                    0,
+                )
+            return
+        self._model_ran = True
+        num_reqs = len(getattr(sched, "num_scheduled_tokens", {}) or {})
+        md_by_layer, cudagraph, padded = self._step_metadata(runner)
+        if not md_by_layer:
+            self._record_gap(
+                "request", "no-metadata: the runner kept no attention metadata for this step", num_tokens
+            )
+            return
+        req_ids = self._req_ids(num_reqs)
+        names = [n for n in md_by_layer if self._wants(n)]
+        if self.options.layers == "first" and self._layer_locked is None and names:
+            self._layer_locked = min(names, key=lambda n: (layer_index(n) is None, layer_index(n) or 0, n))
+            names = [self._layer_locked]
+        full_tensors = False
+        for name in names:
+            static = self._static_of(name)
+            if static is None:
+                continue
+            tensors = self._step_tensors.pop(name, None)
+            if tensors is None and self.options.tensors and cudagraph == "full":
+                full_tensors = True
+            self._capture(static, md_by_layer[name], num_reqs, num_tokens, req_ids, cudagraph, padded, tensors=tensors)
+        if full_tensors:
+            self._warn_once(FULL_GRAPH_TENSORS)
+
+    def _step_metadata(self, runner: Any) -> tuple[dict[str, Any], str, int | None]:
+        """This step's attention metadata per layer, how it ran, and its padded size."""
+        md: Any = None
+        cudagraph, padded = "none", None
+        if self._fc is not None:
+            md, cudagraph, padded = self._fc
+        if md is None:  # the V2 runner replays full graphs without set_forward_context
+            state = getattr(runner, "execute_model_state", None)
+            md = getattr(state, "attn_metadata", None)
+            if self._dispatch is not None:
+                cudagraph, padded = self._dispatch
+        if isinstance(md, list):  # micro-batched (DBO): not recorded from the runner
+            md = None
+        if not md:
+            md = self._fwd_md
+        return dict(md), cudagraph, padded
+
+    def _submit_slot(self) -> None:
+        slot, self._slot = self._slot, None
+        if slot is None:
+            return
+        if self._thread is None:
+            self._pool.release(slot)
+            return
+        record_event(slot, cuda_available())
+        self._thread.submit(slot)
+
+    def _drop_slot(self) -> None:
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            self._pool.release(slot)
 
     def _record_gap(self, kind: str, reason: str, num_tokens: int) -> None:
-        self._write(GapRecord(step=self.step, kind=kind, reason=reason, num_tokens=num_tokens), None)
-        self.stats["gaps"] += 1
+        slot = self._slot
+        if slot is None:
+            slot = self._slot = self._pool.acquire()
+            slot.payload = {"captures": [], "hosts": {}, "gaps": []}
+        slot.payload["captures"].append(GapRecord(step=self.step, kind=kind, reason=reason, num_tokens=num_tokens))
 
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        self._kv_inputs.clear()
-        for p in pending:
-            rec, tensors = p.shape()
-            self._write(rec, tensors, p)
+    # -- the writer thread ---------------------------------------------------
+
+    def _handle_slot(self, slot: Slot) -> None:
+        """Writer thread: the slot's copies have landed; write its records in order."""
+        for item in slot.payload["captures"]:
+            if self._write_failed:
+                return
+            if isinstance(item, GapRecord):
+                self._write(item, None)
+                self.stats["gaps"] += 1
+                continue
+            read_static_floats(item.static)
+            record = item.record()
+            if item.scales is not None and not getattr(item.static.module, "calculate_kv_scales", False):
+                item.static.scales = {k: getattr(record, k) for k in ("q_scale", "k_scale", "v_scale")}
+            tensors = None
+            if item.tensors is not None:
+                record, tensors = self._log_tensors(item, record)
+            elif item.kind == "request":
+                self._log.invalidate(item.layer)
+            self._write(record, tensors, item)
             self.stats["records"] += 1
 
-    def _write(self, record, tensors, first: Pending | None = None) -> None:
+    def _log_tensors(self, item: LayerCapture, record: StepRecord) -> tuple[StepRecord, dict[str, Any] | None]:
+        """The write-log tensors of one record (host copies on the writer's own stream)."""
+        import torch
+
+        dev = item.tensors
+        assert dev is not None
+        stream = self._thread.side_stream if (self._thread is not None and cuda_available()) else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        n = record.num_actual_tokens
+        with ctx:
+            out = {k: dev[k].to("cpu") for k in ("query", "output", "key", "value") if k in dev}
+            spec_heads = (record.num_heads, record.head_size)
+            out["query"] = out["query"].reshape(n, *spec_heads)
+            out["output"] = out["output"].reshape(n, *spec_heads)
+            slots = list(record.slot_mapping[:n])
+            rows = [i for i, s in enumerate(slots) if s >= 0]
+            written = dev["written"].to("cpu")
+            out["kv_slots"] = torch.tensor([slots[i] for i in rows], dtype=torch.long)
+            out["kv_written"] = written[rows] if len(rows) != written.shape[0] else written
+            block_size = item.static.block_size
+            epoch, new_blocks, check = self._log.plan(
+                item.layer,
+                [list(r) for r in record.block_table],
+                list(record.seq_lens),
+                [slots[i] for i in rows],
+                block_size,
+                reset=item.reset,
+            )
+            cols = int(dev["cols"])
+            first_row: dict[int, int] = {}  # block -> its first row in read_blocks ([num_reqs, cols] flattened)
+            for r, row in enumerate(record.block_table):
+                for c, block in enumerate(row):
+                    first_row.setdefault(block, r * cols + c)
+            read_blocks = dev["read_blocks"]
+            index = torch.tensor([first_row[b] for b in new_blocks], dtype=torch.long, device=read_blocks.device)
+            out["kv_new_blocks"] = read_blocks.index_select(0, index).to("cpu")
+            out["kv_new_block_ids"] = torch.tensor(new_blocks, dtype=torch.int32)
+            if check:
+                ids = sorted(first_row)
+                index = torch.tensor([first_row[b] for b in ids], dtype=torch.long, device=read_blocks.device)
+                out["kv_blocks"] = read_blocks.index_select(0, index).to("cpu")
+                out["kv_block_ids"] = torch.tensor(ids, dtype=torch.int32)
+        size = sum(t.numel() * t.element_size() for t in out.values())
+        writer = self._writer_or_new()
+        budget = writer.tensor_budget_bytes
+        if budget is not None and writer.tensor_bytes + size > budget:
+            writer.budget_exhausted = True
+            self._log.invalidate(item.layer)
+            return record, None
+        return replace(record, kv_log_epoch=epoch), out
+
+    def _on_writer_error(self, exc: BaseException) -> None:
+        self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
+
+    def _write(self, record, tensors, first: LayerCapture | None = None) -> None:
         """Append one record; the manifest goes to disk before the first line of ``steps.jsonl``.
 
-        ``first``: the record's pending forward, whose backend and cache complete the manifest.
+        ``first``: the record's capture, whose backend and cache complete the manifest.
         """
         if self._write_failed:
             return
@@ -441,8 +763,8 @@ class Tracer:
                     writer,
                     self.options,
                     self._vllm_config,
-                    impl=first.impl if first else None,
-                    kv_cache=first.kv_cache if first else None,
+                    impl=first.static.impl if first else None,
+                    kv_cache=first.static.kv_cache if first else None,
                     layer=first.layer if first else "",
                 )
                 self._manifest_written = first is not None
@@ -464,19 +786,20 @@ class Tracer:
         return self._writer
 
     def _fail(self, message: str) -> None:
-        """Stop tracing (the engine runs on); keep the first reason in ``error``, warn once."""
+        """Stop tracing (the engine runs on); keep the first reason in ``error`` and say it once."""
         self._write_failed = True
         if self.error is None:
             self.error = message
-        self._warn_once(message)
+            self._warn_once(message)
 
     def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
-            logger.warning(message)
-            import warnings
+        if message in self._warned:
+            return
+        self._warned.add(message)
+        logger.warning(message)
+        import warnings
 
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # -- closing -------------------------------------------------------------
 

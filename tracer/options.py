@@ -17,6 +17,7 @@ from tracer.format import parse_layers, parse_steps
 __all__ = [
     "ENV_BUDGET",
     "ENV_DIR",
+    "ENV_KV_CHECK",
     "ENV_LAYERS",
     "ENV_MODEL_NAME",
     "ENV_STEPS",
@@ -31,6 +32,7 @@ ENV_LAYERS = "PAGEDTRACE_LAYERS"
 ENV_STEPS = "PAGEDTRACE_STEPS"
 ENV_TENSORS = "PAGEDTRACE_TENSORS"
 ENV_BUDGET = "PAGEDTRACE_BUDGET_MB"
+ENV_KV_CHECK = "PAGEDTRACE_KV_CHECK_EVERY"
 
 #: Set by ``pagedtrace run`` (``tracer.session``) for the manifest's ``ModelSummary``: the
 #: preset or model the user named, and how its weights were made.
@@ -45,7 +47,9 @@ class TracerOptions:
     ``layers``: ``"first"`` (the first attention layer that runs), ``"all"``, or a
     tuple of layer indices / names. ``steps``: half-open range of step indices
     (``None`` = unbounded). ``tensors``: also save query, output, key/value and the
-    KV blocks in use, for request steps, within ``budget_bytes``.
+    KV write log (``tracer.writelog``), for request steps, within ``budget_bytes``.
+    ``kv_check_every``: every N-th tensor step of a layer also stores the blocks it reads
+    whole, so the write log's rebuild can be checked against them bit for bit (0: never).
     """
 
     directory: str
@@ -53,6 +57,7 @@ class TracerOptions:
     steps: tuple[int | None, int | None] = (None, None)
     tensors: bool = False
     budget_bytes: int = 256 * 2**20
+    kv_check_every: int = 0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> TracerOptions | None:
@@ -67,6 +72,7 @@ class TracerOptions:
             steps=parse_steps(env.get(ENV_STEPS, "")),
             tensors=env.get(ENV_TENSORS, "0").lower() in ("1", "true", "yes", "on"),
             budget_bytes=int(float(env.get(ENV_BUDGET, "256")) * 2**20),
+            kv_check_every=int(env.get(ENV_KV_CHECK, "0") or 0),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -79,6 +85,7 @@ class TracerOptions:
             ENV_STEPS: f"{'' if start is None else start}:{'' if stop is None else stop}",
             ENV_TENSORS: "1" if self.tensors else "0",
             ENV_BUDGET: str(self.budget_bytes / 2**20),
+            ENV_KV_CHECK: str(self.kv_check_every),
         }
 
     def to_json(self) -> dict[str, Any]:

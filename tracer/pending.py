@@ -1,22 +1,24 @@
-"""One captured forward call, and how it becomes a ``StepRecord`` once the step is over.
+"""One layer of one step in flight, and how it becomes a ``StepRecord`` on the writer thread.
 
-The hook (``tracer.hooks.Tracer._on_forward``) fills a :class:`Pending` with device-side
-clones and appends it; nothing here runs on the hot path. ``Pending.shape`` is called
-when the model runner's step returns: it copies to the host (the only host syncs),
-trims the block table to the blocks each request uses and builds the record. The layer's
-q/k/v scales (what FlashAttention's fp8 path is given as ``{q,k,v}_descale``) travel the same
-way: :func:`capture_scales` clones the device tensors in the hook, ``shape`` reads them.
+The hooks (``tracer.hooks``) fill a :class:`LayerCapture`: Python numbers read from the
+attention metadata, host views of its tensors filling in a pinned ring slot
+(``tracer.ring``), and, for tensor steps, device-side clones. :meth:`LayerCapture.record`
+runs on the writer thread once the slot's CUDA event has fired: it trims the block table
+to the blocks each request uses and builds the record. The layer's q/k/v scales (what
+FlashAttention's fp8 path is given as ``{q,k,v}_descale``) travel the same way:
+:func:`capture_scales` clones the device tensors on the step, the writer reads them; a
+layer whose scales vLLM does not recompute (``calculate_kv_scales`` off) is read once.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tracer.format import StepRecord
 
-__all__ = ["Pending", "capture_scales", "dtype_name"]
+__all__ = ["LayerCapture", "LayerStatic", "capture_scales", "dtype_name", "host_lists", "read_static_floats"]
 
 #: The attention layer's fp8 scales as ``StepRecord`` fields -> the layer attributes holding them:
 #: the device tensor FlashAttention is given as ``{q,k,v}_descale``, then the host float vLLM
@@ -29,68 +31,95 @@ SCALE_ATTRS = {
 
 
 @dataclass
-class Pending:
-    """One captured forward call, tensors still on the device."""
+class LayerStatic:
+    """What one attention layer is, learned once: its impl, module, cache and the query's dtype."""
+
+    name: str
+    impl: Any  #: the backend's ``AttentionImpl``
+    module: Any  #: the ``Attention`` layer (its fp8 scales live there)
+    kv_cache: Any  #: the layer's cache tensor (not a copy)
+    query_dtype: str | None = None  #: as the query last reached ``forward`` (fp8 when vLLM quantized it)
+    layout: str | None = None  #: the cache's layout name, once the manifest knows it
+    geometry: Any = None  #: ``tracer.writelog.LayerGeometry``, made on first tensor capture
+    #: The layer's scales once read (the writer fills it); None: clone them every step.
+    scales: dict[str, float | None] | None = None
+    alibi_slopes: tuple[float, ...] | None = None
+    sinks: tuple[float, ...] | None = None
+    floats_read: bool = False
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv_cache.shape[2])
+
+
+@dataclass
+class LayerCapture:
+    """One layer of one step in flight: host views filling in a ring slot, device tensor clones."""
 
     step: int  #: 0-based step index
     kind: str  #: one of ``STEP_KINDS``
-    layer: str  #: vLLM's layer name, e.g. ``model.layers.0.self_attn.attn``
-    impl: Any  #: the backend's ``AttentionImpl`` instance
+    static: LayerStatic
     metadata: dict[str, Any]  #: ``StepRecord`` fields already read as Python numbers
-    device_tensors: dict[str, Any]  #: clones on the device: metadata tensors, and the data when saved
-    kv_cache: Any  #: the layer's cache tensor (not a copy)
+    host: dict[str, Any]  #: ``query_start_loc``, ``seq_lens``, ``block_table`` (``cols`` wide), ``slot_mapping``
     req_ids: tuple[str, ...]  #: one per request row; ``""`` where the runner gave none
-    #: ``capture_scales(layer)``: per scale field, a device clone or a host float
-    scales: dict[str, Any] = field(default_factory=dict)
+    #: ``capture_scales(layer)`` (device clones or floats), or None when ``static.scales`` holds them
+    scales: dict[str, Any] | None = None
+    #: device clones: ``query``, ``output``, ``key``, ``value``, ``written``, ``read_blocks``; None: metadata only
+    tensors: dict[str, Any] | None = None
+    reset: bool = False  #: a write to this layer's cache went unlogged since its last tensor step
 
-    def shape(self) -> tuple[StepRecord, dict[str, Any] | None]:
-        """Copy to the host; the record, and its tensors when this call saved them."""
-        host = {k: v.to("cpu") for k, v in self.device_tensors.items()}
-        scales = {k: _scale_value(v) for k, v in self.scales.items()}
-        seq_lens = [int(s) for s in host["seq_lens"].tolist()]
-        block_size = int(self.kv_cache.shape[2])
-        rows = host["block_table"].tolist()
+    @property
+    def layer(self) -> str:
+        return self.static.name
+
+    def record(self) -> StepRecord:
+        """The record, from the host views (the slot's event has fired)."""
+        lists = host_lists(self.host)
+        seq_lens = lists["seq_lens"]
+        block_size = self.static.block_size
         block_table = tuple(
-            tuple(int(b) for b in row[: math.ceil(s / block_size)]) for row, s in zip(rows, seq_lens, strict=False)
+            tuple(row[: math.ceil(s / block_size)]) for row, s in zip(lists["block_table"], seq_lens, strict=False)
         )
-        rec = StepRecord(
-            alibi_slopes=_floats(getattr(self.impl, "alibi_slopes", None)),
-            sinks=_floats(getattr(self.impl, "sinks", None)),
+        scales = self.static.scales if self.scales is None else {k: _scale_value(v) for k, v in self.scales.items()}
+        return StepRecord(
+            alibi_slopes=self.static.alibi_slopes,
+            sinks=self.static.sinks,
             step=self.step,
             layer=self.layer,
             kind=self.kind,
             request_ids=self.req_ids,
-            query_start_loc=tuple(int(x) for x in host["query_start_loc"].tolist()),
-            seq_lens=tuple(seq_lens),
+            query_start_loc=lists["query_start_loc"],
+            seq_lens=seq_lens,
             block_table=block_table,
-            slot_mapping=tuple(int(x) for x in host["slot_mapping"].tolist()),
-            q_scale=scales.get("q_scale"),
-            k_scale=scales.get("k_scale"),
-            v_scale=scales.get("v_scale"),
+            slot_mapping=lists["slot_mapping"],
+            q_scale=(scales or {}).get("q_scale"),
+            k_scale=(scales or {}).get("k_scale"),
+            v_scale=(scales or {}).get("v_scale"),
+            query_dtype=self.static.query_dtype,
             **self.metadata,
         )
-        tensors = None
-        if "query" in host:
-            tensors = self._tensor_payload(host, block_table)
-        return rec, tensors
 
-    def _tensor_payload(self, host: dict[str, Any], block_table) -> dict[str, Any]:
-        import torch
 
-        ids = sorted({b for row in block_table for b in row})
-        index = torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)
-        kv_blocks = self.kv_cache.index_select(0, index).to("cpu")
-        n, h, d = self.metadata["num_actual_tokens"], self.metadata["num_heads"], self.metadata["head_size"]
-        out = {
-            "query": host["query"].reshape(n, h, d),
-            "output": host["output"].reshape(n, h, d),
-            "kv_blocks": kv_blocks,
-            "kv_block_ids": torch.tensor(ids, dtype=torch.int32),
+def host_lists(host: dict[str, Any]) -> dict[str, Any]:
+    """The host views as tuples of ints, converted once per slot (layers of one KV group share them)."""
+    lists = host.get("_lists")
+    if lists is None:
+        lists = {
+            "query_start_loc": tuple(host["query_start_loc"].tolist()),
+            "seq_lens": tuple(host["seq_lens"].tolist()),
+            "block_table": [tuple(row) for row in host["block_table"].tolist()],
+            "slot_mapping": tuple(host["slot_mapping"].tolist()),
         }
-        for k in ("key", "value"):
-            if k in host:
-                out[k] = host[k]
-        return out
+        host["_lists"] = lists
+    return lists
+
+
+def read_static_floats(static: LayerStatic) -> None:
+    """ALiBi slopes and sinks (small per-head tensors), read once, on the writer thread."""
+    if not static.floats_read:
+        static.alibi_slopes = _floats(getattr(static.impl, "alibi_slopes", None))
+        static.sinks = _floats(getattr(static.impl, "sinks", None))
+        static.floats_read = True
 
 
 def _floats(tensor: Any) -> tuple[float, ...] | None:

@@ -96,6 +96,7 @@ class SessionConfig:
     flash_attn_version: int | None = None  #: ``attention_config={"flash_attn_version": N}``; None: vLLM's choice
     max_num_batched_tokens: int | None = None  #: scheduler token budget per step; small = chunked prefill
     prefix_caching: bool = True  #: vLLM's ``enable_prefix_caching`` (``--no-prefix-caching`` turns it off)
+    kv_check_every: int = 0  #: every N-th tensor step also stores whole blocks (checks the write log)
 
 
 @dataclass
@@ -196,6 +197,7 @@ def validate_config(cfg: SessionConfig) -> None:
         ("--prompts", cfg.num_prompts, 1),
         ("--max-tokens", cfg.max_tokens, 1),
         ("--shared-prefix", cfg.shared_prefix, 0),
+        ("--kv-check-every", cfg.kv_check_every, 0),
     ):
         if value < least:
             raise ValueError(f"{flag} must be {'positive' if least else '0 or more'}, got {value}")
@@ -224,6 +226,29 @@ def validate_config(cfg: SessionConfig) -> None:
             raise ValueError(
                 f"--layers {cfg.layers}: layer {index} does not exist; {cfg.model} has {count} layers (0-{count - 1})"
             )
+
+
+#: Graph modes in which some steps replay as one full CUDA graph (Python ``forward`` not called).
+FULL_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def graph_mode_for(cfg: SessionConfig) -> str | None:
+    """The CUDA-graph mode to start vLLM in: ``cfg.cudagraph_mode``, or PIECEWISE for a tensor trace.
+
+    Tensors are captured in Python ``forward``, which a full graph never calls; a traced
+    session with tensors therefore runs PIECEWISE (attention outside the graphs) and says so
+    in one line, rather than leaving the decode steps without tensors.
+    """
+    mode = cfg.cudagraph_mode
+    if mode and mode.upper() in FULL_GRAPH_MODES and cfg.trace and cfg.tensors:
+        logging.getLogger("pagedtrace").warning(
+            "pagedtrace: tensors are not captured inside full CUDA graphs; running %s as PIECEWISE "
+            "(--no-tensors keeps %s and records metadata for every step)",
+            mode,
+            mode,
+        )
+        return "PIECEWISE"
+    return mode
 
 
 def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
@@ -348,6 +373,7 @@ def run_session(
                 steps=cfg.steps,
                 tensors=cfg.tensors,
                 budget_mb=cfg.budget_mb,
+                kv_check_every=cfg.kv_check_every,
             )
         notify("phase", "engine", None)
         t0 = time.perf_counter()
@@ -380,9 +406,10 @@ def run_session(
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.cudagraph_mode and not cfg.enforce_eager:
+            mode = graph_mode_for(cfg)
             # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs.
             kwargs["compilation_config"] = {
-                "cudagraph_mode": cfg.cudagraph_mode,
+                "cudagraph_mode": mode,
                 "cudagraph_capture_sizes": list(CAPTURE_SIZES),
             }
         try:
@@ -414,8 +441,8 @@ def run_session(
         )
         del llm
         if t is not None:
-            result.stats = dict(t.stats)
             t.stop()
+            result.stats = dict(t.stats)
             result.trace_error = t.error
             t = None
             from tracer.format import SESSION, write_side_file

@@ -81,6 +81,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-tensors", dest="tensors", action="store_false", help="record metadata only")
     p.add_argument("--budget-mb", type=float, default=256.0, help="tensor budget in MiB (default: %(default)s)")
     p.add_argument(
+        "--kv-check-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N-th tensor step also stores whole KV blocks, to check the write log against (0: never)",
+    )
+    p.add_argument(
         "--cudagraph-mode",
         default=None,
         metavar="MODE",
@@ -138,6 +145,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         steps=args.steps,
         tensors=args.tensors,
         budget_mb=args.budget_mb,
+        kv_check_every=args.kv_check_every,
         multiprocess=args.multiprocess,
         gpu_memory_utilization=args.gpu_memory_utilization,
         prefix_caching=args.prefix_caching,

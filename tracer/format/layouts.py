@@ -42,6 +42,7 @@ Standard library only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "element_offset",
     "flash_strides",
     "layout_info",
+    "token_elements",
 ]
 
 LAYOUT_FLASH_NHD = "flash_nhd"
@@ -411,3 +413,36 @@ def element_offset(
         if not 0 <= i < size:
             raise IndexError(f"index {dict(zip(view.dims, index, strict=False))} outside {view.shape}")
     return view.storage_offset + sum(i * s for i, s in zip(index, view.strides, strict=False))
+
+
+@functools.lru_cache(maxsize=16)
+def token_elements(layout: str, num_kv_heads: int, block_size: int, head_size: int) -> tuple[tuple[int, ...], ...]:
+    """Where each token of one block keeps its K and V, in the block's logical elements.
+
+    A block is ``kv_cache[b]``, logical shape ``(H_kv, block_size, 2*D)`` for every stored
+    layout, counted contiguously (``kv_cache[b].reshape(-1)`` of a contiguous copy, the way
+    ``kv_blocks`` and ``kv_new_blocks`` are stored). Row ``t`` of the answer lists the
+    ``2 * H_kv * D`` positions of token ``t``'s entries in the order ``(K|V, head, dim)``:
+    the order of a write-log ``kv_written`` row ``[2, H_kv, D]``. Standard library only;
+    the tracer and the write-log reader turn it into an index tensor once per layer.
+    """
+    info = layout_info(layout)
+    if not info.stored:
+        raise ValueError(f"layout {layout!r} is never stored in a trace")
+    h, bs, d = num_kv_heads, block_size, head_size
+    if layout in FLASH_STRIDE_ORDER:
+        # logical (H_kv, bs, 2*D): K in [..., :D], V in [..., D:]
+        return tuple(
+            tuple(head * bs * 2 * d + t * 2 * d + kv * d + dim for kv in (0, 1) for head in range(h) for dim in range(d))
+            for t in range(bs)
+        )
+    # cpu / cpu_amx: the logical tensor is contiguous, so its memory offsets are the positions.
+    return tuple(
+        tuple(
+            element_offset(layout, 0, head, t, dim, which, num_kv_heads=h, block_size=bs, head_size=d)
+            for which in ("k", "v")
+            for head in range(h)
+            for dim in range(d)
+        )
+        for t in range(bs)
+    )

@@ -25,12 +25,16 @@ from tracer.format.version import FORMAT_VERSION
 #: a step that serves scheduled requests.
 STEP_KINDS = ("profile", "warmup", "request")
 
+#: ``StepRecord.cudagraph``: eager, attention between piecewise graphs, or one full graph.
+CUDAGRAPH_MODES = ("none", "piecewise", "full")
+
 #: KV-cache layouts a trace may name: the layout registry's stored layouts
 #: (:mod:`tracer.format.layouts` describes each).
 LAYOUTS = STORED_LAYOUTS
 
 
 __all__ = [
+    "CUDAGRAPH_MODES",
     "LAYOUTS",
     "SINCE",
     "STEP_KINDS",
@@ -99,7 +103,7 @@ class _JsonRecord:
         for name, value in data.items():
             value = schema.decode(hints[name], value, f"{owner}.{name}", owner, name, version)
             allowed = _VOCABULARY.get((owner, name))
-            if allowed is not None and value not in allowed:
+            if allowed is not None and value is not None and value not in allowed:
                 raise TraceError(f"{owner}: {name} {str(value)[:40]!r} is not one of {', '.join(allowed)}")
             kwargs[name] = value
         record = cls(**kwargs)
@@ -231,6 +235,14 @@ class StepRecord(_JsonRecord):
     #: torch dtype of the query as it reached attention, e.g. ``bfloat16`` (``float8_e4m3fn`` when vLLM
     #: quantized it for FA3's fp8 path); None when not recorded.
     query_dtype: str | None = field(default=None, metadata={SINCE: 2})
+    #: How the model ran this step: ``none`` (eager), ``piecewise`` (attention outside the graphs)
+    #: or ``full`` (a full CUDA graph replayed; Python ``forward`` was not called). None: not recorded.
+    cudagraph: str | None = field(default=None, metadata={SINCE: 3})
+    #: Tokens after padding: the batch size of the graph that ran (``num_actual_tokens`` when eager).
+    padded_tokens: int | None = field(default=None, metadata={SINCE: 3})
+    #: Write-log tensors (``kv_written`` ...): which run of consecutive logged steps of this layer
+    #: the record belongs to; its blocks are rebuilt from the records of that run. None otherwise.
+    kv_log_epoch: int | None = field(default=None, metadata={SINCE: 3})
     tensors: str | None = None  #: safetensors file under ``tensors/``, or None when not captured
     tensor_names: tuple[str, ...] = ()  #: tensors in that file
 
@@ -271,6 +283,7 @@ _VOCABULARY.update(
         ("StepRecord", "kind"): STEP_KINDS,
         ("GapRecord", "kind"): STEP_KINDS,
         ("KVCacheSpec", "layout"): LAYOUTS,
+        ("StepRecord", "cudagraph"): CUDAGRAPH_MODES,
     }
 )
 #: Whole-record checks run after a record is decoded, by class name (field types are checked first).

@@ -28,7 +28,17 @@ __version__ = "0.1.0"
 #:   ``kind`` (``STEP_KINDS``) and ``layout`` (the layout registry's stored names) are
 #:   checked on load; ``replay.json`` carries ``format_version`` and lists ``skipped``
 #:   records with their reasons.
-FORMAT_VERSION = 2
+#: 3 (pagedtrace 0.3, 2026-12-01)
+#:   Records come from the model runner, so every request step has one whatever the
+#:   CUDA-graph mode: ``StepRecord`` gains ``cudagraph`` (``none`` / ``piecewise`` / ``full``:
+#:   how the step ran) and ``padded_tokens`` (the batch size the graph was captured for).
+#:   Tensors are a KV *write log*: instead of every block the step reads (``kv_blocks``), a
+#:   record stores the cache entries its step wrote (``kv_slots``, ``kv_written``) and the blocks
+#:   the trace had not seen yet (``kv_new_block_ids``, ``kv_new_blocks``); ``kv_log_epoch``
+#:   numbers the runs of consecutive logged steps a layer's blocks are rebuilt over
+#:   (``tracer.format.kvlog``). ``kv_blocks`` / ``kv_block_ids`` remain for check steps (the
+#:   whole blocks, to prove the rebuild) and in version-1/2 traces.
+FORMAT_VERSION = 3
 
 #: Format versions this pagedtrace reads.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)

@@ -1,0 +1,172 @@
+"""Off the engine's step: pinned host ring slots, CUDA events, and the writer thread.
+
+The hot path (the model runner's step, ``tracer.hooks``) never waits for the device. It
+takes a :class:`Slot`, queues non-blocking device-to-host copies of the step's metadata
+into the slot's pinned buffers (and keeps the step's device-side tensor clones), records
+one CUDA event and hands the slot to :class:`WriterThread`. The thread waits for the
+event, turns the slot into records and writes them; only then is the slot free again.
+
+When every slot is in flight the step waits for the oldest: a slow disk slows the engine
+down rather than losing a step (``waits`` counts how often). Device memory held by
+in-flight tensor clones is bounded the same way (``max_device_bytes``). On a CPU engine
+the same code runs without pinning or events: copies are plain copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Slot", "SlotPool", "WriterThread"]
+
+logger = logging.getLogger("pagedtrace")
+
+
+@dataclass
+class Slot:
+    """One step in flight: host buffers (reused), the event, and what the writer needs."""
+
+    index: int
+    buffers: dict[str, Any] = field(default_factory=dict)  #: name -> pinned host tensor (grown, reused)
+    event: Any = None  #: ``torch.cuda.Event`` recorded after the step's copies; None on CPU
+    payload: Any = None  #: what the writer turns into records
+    device_bytes: int = 0  #: bytes of device tensors the payload holds
+
+    def host(self, name: str, src: Any) -> Any:
+        """Queue ``src`` (a device tensor) into this slot's host buffer ``name``; return the host view.
+
+        The view holds the values once the slot's event has fired (at once on CPU).
+        """
+        import torch
+
+        n = src.numel()
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != src.dtype:
+            pin = src.is_cuda
+            buf = torch.empty(max(n, 64) * (2 if buf is not None else 1), dtype=src.dtype, pin_memory=pin)
+            self.buffers[name] = buf
+        view = buf[:n].view(src.shape)
+        view.copy_(src, non_blocking=src.is_cuda)
+        return view
+
+
+class SlotPool:
+    """``capacity`` slots; ``acquire`` blocks while all are in flight (or device bytes exceed the cap)."""
+
+    def __init__(self, capacity: int = 8, *, max_device_bytes: int = 2 * 2**30):
+        self.capacity = capacity
+        self.max_device_bytes = max_device_bytes
+        self._free = [Slot(i) for i in range(capacity)]
+        self._device_bytes = 0
+        self._cond = threading.Condition()
+        self.waits = 0  #: how often a step waited for the writer
+
+    def acquire(self) -> Slot:
+        with self._cond:
+            if not self._free or self._device_bytes > self.max_device_bytes:
+                self.waits += 1
+            while not self._free or (self._device_bytes > self.max_device_bytes and len(self._free) < self.capacity):
+                self._cond.wait()
+            return self._free.pop()
+
+    def hold(self, slot: Slot, nbytes: int) -> None:
+        """Count ``nbytes`` of device memory against the pool until ``slot`` is released."""
+        with self._cond:
+            slot.device_bytes += nbytes
+            self._device_bytes += nbytes
+
+    def release(self, slot: Slot) -> None:
+        with self._cond:
+            self._device_bytes -= slot.device_bytes
+            slot.device_bytes = 0
+            slot.payload = None
+            self._free.append(slot)
+            self._cond.notify_all()
+
+
+def record_event(slot: Slot, on_cuda: bool) -> None:
+    """Record the slot's event on the current stream (after everything queued for the step)."""
+    if not on_cuda:
+        slot.event = None
+        return
+    import torch
+
+    if slot.event is None:
+        slot.event = torch.cuda.Event()
+    slot.event.record()
+
+
+class WriterThread:
+    """Drains slots in order: waits for each one's event, then ``handle(slot)``, then frees it.
+
+    ``handle`` runs on this thread (records, JSON, files); an exception in it is passed to
+    ``on_error`` once and later slots are only released. ``throttle`` (tests): seconds to
+    sleep before each slot, a slow disk.
+    """
+
+    def __init__(
+        self,
+        pool: SlotPool,
+        handle: Callable[[Slot], None],
+        on_error: Callable[[BaseException], None],
+        *,
+        throttle: float = 0.0,
+    ):
+        self.pool = pool
+        self._handle = handle
+        self._on_error = on_error
+        self._queue: queue.Queue[Slot | None] = queue.Queue()
+        self._failed = False
+        self.throttle = throttle
+        self.handled = 0
+        self._side_stream: Any = None
+        self._thread = threading.Thread(target=self._run, name="pagedtrace-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, slot: Slot) -> None:
+        self._queue.put(slot)
+
+    def drain(self) -> None:
+        """Block until every submitted slot is handled."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Handle what is queued, then end the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    @property
+    def side_stream(self) -> Any:
+        """A CUDA stream of the writer's own for its device-to-host copies (created on first use)."""
+        if self._side_stream is None:
+            import torch
+
+            self._side_stream = torch.cuda.Stream()
+        return self._side_stream
+
+    def _run(self) -> None:
+        while True:
+            slot = self._queue.get()
+            try:
+                if slot is None:
+                    return
+                if self.throttle:
+                    import time
+
+                    time.sleep(self.throttle)
+                if slot.event is not None:
+                    slot.event.synchronize()
+                if not self._failed:
+                    try:
+                        self._handle(slot)
+                        self.handled += 1
+                    except BaseException as exc:  # noqa: BLE001 - the engine must run on
+                        self._failed = True
+                        self._on_error(exc)
+                self.pool.release(slot)
+            finally:
+                self._queue.task_done()

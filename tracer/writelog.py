@@ -1,0 +1,151 @@
+"""The KV write log, tracer side: what each tensor step stores so that KV is stored once.
+
+On the hot path (``forward``, right after ``do_kv_cache_update`` wrote the cache) two
+device-side copies are queued, neither of which needs the host: :func:`gather_written`,
+the cache entries at this step's slots (``kv_written``), and :func:`clone_read_blocks`,
+every block the step's block table names (a device-to-device copy; H200 bandwidth makes
+it microseconds). The writer thread, once the step's event has fired, asks a
+:class:`WriteLog` which of those blocks the trace has not seen whole yet, and copies only
+those to the host (``kv_new_blocks``). Trace bytes then grow with new tokens, not with
+context x steps. ``tracer.format.kvlog`` rebuilds each step's blocks from the log.
+
+A layer's log is valid only while every write to its cache is in it: a step that ran the
+model without logging that layer (a step outside ``--steps``, a warm-up pass, a full CUDA
+graph replay, a spent budget) ends the *epoch*; the next logged step starts a new one and
+stores every block it reads again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracer.format.layouts import token_elements
+
+__all__ = ["LayerGeometry", "WriteLog", "clone_read_blocks", "gather_written", "geometry_of"]
+
+
+@dataclass
+class LayerGeometry:
+    """One layer's cache as the gathers index it: computed once per layer on the device."""
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    #: ``[block_size, 2*H_kv*D]`` storage offsets (elements, relative to block 0's start) of
+    #: each token's K|V entries, in ``token_elements`` order, for the live cache's strides.
+    token_offsets: Any
+    block_stride: int
+    flat: Any  #: the cache's storage as one flat integer tensor (bit-exact gathers for any dtype)
+
+
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def geometry_of(kv_cache: Any, layout: str) -> LayerGeometry:
+    """The index tensors for ``kv_cache`` (logical ``(nb, H_kv, bs, 2*D)``) in ``layout``."""
+    import torch
+
+    nb, h, bs, two_d = (int(n) for n in kv_cache.shape)
+    d = two_d // 2
+    positions = torch.tensor(token_elements(layout, h, bs, d), dtype=torch.long)  # logical, contiguous block
+    # logical (head, token, col) of each position -> storage offset through the live strides
+    s0, s1, s2, s3 = (int(s) for s in kv_cache.stride())
+    head, rest = positions // (bs * two_d), positions % (bs * two_d)
+    token, col = rest // two_d, rest % two_d
+    offsets = (head * s1 + token * s2 + col * s3).to(kv_cache.device)
+    int_dtype = getattr(torch, _INT_OF_SIZE[kv_cache.element_size()])
+    storage = kv_cache.untyped_storage()
+    numel = storage.nbytes() // kv_cache.element_size()
+    flat = torch.empty(0, dtype=int_dtype, device=kv_cache.device).set_(storage, 0, (numel,), (1,))
+    flat = flat[kv_cache.storage_offset() :]
+    return LayerGeometry(nb, bs, h, d, offsets, s0, flat)
+
+
+def gather_written(geom: LayerGeometry, slot_mapping: Any, dtype: Any) -> Any:
+    """``[n, 2, H_kv, D]``: the cache's entries at ``slot_mapping`` (device; -1 rows read block 0).
+
+    No host sync: padding slots (-1) are read as slot 0 and dropped by the writer thread,
+    which has the slot values by then.
+    """
+    slots = slot_mapping.long().clamp(min=0)
+    blocks = (slots // geom.block_size).clamp(max=geom.num_blocks - 1)
+    index = blocks.unsqueeze(1) * geom.block_stride + geom.token_offsets[slots % geom.block_size]
+    values = geom.flat[index]  # [n, 2*H*D] in the cache's bits
+    return values.view(dtype).reshape(-1, 2, geom.num_kv_heads, geom.head_size)
+
+
+def clone_read_blocks(kv_cache: Any, block_table: Any, num_reqs: int, max_seq_len: int) -> Any:
+    """``[num_reqs * cols, H_kv, bs, 2*D]``: every block the step's table rows name, copied on the device.
+
+    ``cols = ceil(max_seq_len / block_size)``: the widest row the step reads. Ids are clamped
+    into the pool (a row's unused tail may hold anything); the writer thread reads the real
+    ids from the host copy of the table and picks the rows it needs.
+    """
+    bs = int(kv_cache.shape[2])
+    cols = min(int(block_table.shape[1]), max(1, math.ceil(max_seq_len / bs)))  # as hooks.read_columns
+    ids = block_table[:num_reqs, :cols].reshape(-1).long().clamp(0, int(kv_cache.shape[0]) - 1)
+    return kv_cache.index_select(0, ids), cols
+
+
+@dataclass
+class _LayerLog:
+    epoch: int = -1
+    known: dict[int, int] = field(default_factory=dict)  #: block -> bitmask of token offsets known
+    tensor_steps: int = 0  #: tensor records so far (for check sampling)
+
+
+class WriteLog:
+    """Writer-thread bookkeeping: per layer, which blocks (and token offsets) the trace holds.
+
+    ``check_every``: every N-th tensor step of a layer also stores its blocks whole (0: never).
+    """
+
+    def __init__(self, check_every: int = 0):
+        self.check_every = check_every
+        self._layers: dict[str, _LayerLog] = {}
+        self._next_epoch: dict[str, int] = {}
+
+    def invalidate(self, layer: str) -> None:
+        """Some write to ``layer``'s cache was not logged: its next logged step starts a new epoch."""
+        self._layers.pop(layer, None)
+
+    def plan(
+        self,
+        layer: str,
+        block_table: list[list[int]],
+        seq_lens: list[int],
+        written_slots: list[int],
+        block_size: int,
+        *,
+        reset: bool,
+    ) -> tuple[int, list[int], bool]:
+        """Return (epoch, the blocks to store whole, whether this is a check step); update the state."""
+        if reset:
+            self.invalidate(layer)
+        log = self._layers.get(layer)
+        if log is None:
+            epoch = self._next_epoch.get(layer, 0)
+            self._next_epoch[layer] = epoch + 1
+            log = self._layers[layer] = _LayerLog(epoch=epoch)
+        known = log.known
+        for slot in written_slots:
+            block, offset = divmod(slot, block_size)
+            known[block] = known.get(block, 0) | (1 << offset)
+        full = (1 << block_size) - 1
+        new: set[int] = set()
+        for row, seq_len in zip(block_table, seq_lens, strict=False):
+            for j, block in enumerate(row):
+                used = min(block_size, seq_len - j * block_size)
+                if used <= 0:
+                    break
+                need = (1 << used) - 1
+                if known.get(block, 0) & need != need:
+                    new.add(block)
+        for block in new:
+            known[block] = full
+        log.tensor_steps += 1
+        check = self.check_every > 0 and (log.tensor_steps - 1) % self.check_every == 0
+        return log.epoch, sorted(new), check
