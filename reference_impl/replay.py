@@ -55,6 +55,7 @@ from tracer.format import (
     step_in_range,
     write_side_file,
 )
+from tracer.format.kvlog import NotInWriteLog
 from tracer.format.layouts import LAYOUT_CPU_AMX
 from tracer.format.metadata import check_records
 
@@ -264,7 +265,15 @@ def replay_trace(
     writes: list[WriteCheck] = []
     legacies: list[LegacyCheck] = []
     for done, record in enumerate(with_tensors, 1):
-        tensors = trace.tensors(record)
+        try:
+            tensors = trace.tensors(record)
+        except NotInWriteLog as exc:
+            # The write log cannot give this step's blocks (a record or file changed, a block never
+            # logged): the step cannot be shown to match, so it fails, saying why.
+            results.append(unreplayable(record, str(exc)))
+            if progress is not None:
+                progress(done, len(with_tensors), results[-1])
+            continue
         result, legacy = replay_record(
             record,
             tensors,
@@ -294,6 +303,24 @@ def replay_trace(
         metadata=metadata,
         skipped=skipped,
         seconds=time.perf_counter() - started,
+    )
+
+
+def unreplayable(record: StepRecord, why: str) -> StepResult:
+    """A failing result for a step whose inputs cannot be rebuilt."""
+    return StepResult(
+        step=record.step,
+        layer=record.layer,
+        kind=record.kind,
+        num_tokens=record.num_actual_tokens,
+        num_reqs=record.num_reqs,
+        ok=False,
+        max_abs=math.inf,
+        max_rel=math.inf,
+        tol=0.0,
+        baseline_max_abs=0.0,
+        heads=(),
+        note=why,
     )
 
 

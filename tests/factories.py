@@ -53,7 +53,7 @@ needs_vllm_sources = pytest.mark.skipif(SITE is None, reason="vLLM 0.26 sources 
 #: The session every engine test reads: tiny preset, tensors on, block size 32 on CPU.
 RUN_ARGS = [
     "--model", "tiny", "--prompts", "4", "--prompt-len", "20:90", "--shared-prefix", "64",
-    "--max-tokens", "12", "--seed", "0",
+    "--max-tokens", "12", "--seed", "0", "--kv-check-every", "3",
 ]  # fmt: skip
 
 ENGINE_ENV = {

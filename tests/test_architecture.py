@@ -51,6 +51,8 @@ BOTTOM_LAYER_LAZY = frozenset(
     {
         ("tracer/format/store.py", "safetensors"),
         ("tracer/format/store.py", "torch"),
+        ("tracer/format/kvlog.py", "safetensors"),
+        ("tracer/format/kvlog.py", "torch"),
     }
 )
 

@@ -73,6 +73,10 @@ FULL_GRAPH_TENSORS = (
     "for tensors of every step use cudagraph_mode PIECEWISE or enforce_eager"
 )
 
+#: Testing knobs (read when a ``Tracer`` is made): ring size and a writer-thread delay per step.
+ENV_RING_SLOTS = "PAGEDTRACE_RING_SLOTS"
+ENV_THROTTLE = "PAGEDTRACE_WRITER_THROTTLE_S"
+
 _ACTIVE: Tracer | None = None
 _LOCK = threading.Lock()
 
@@ -98,10 +102,16 @@ class Tracer:
 
     ``start()`` / ``stop()`` are symmetric; a second ``start()`` (of this or any
     tracer) raises; a start that fails half-way unpatches what it patched.
-    ``throttle``: seconds the writer thread sleeps per step (tests: a slow disk).
+    ``ring_slots``: steps in flight before a step waits for the writer (default
+    ``PAGEDTRACE_RING_SLOTS`` or 8); ``throttle``: seconds the writer thread sleeps per step
+    (default ``PAGEDTRACE_WRITER_THROTTLE_S`` or 0; tests use it as a slow disk).
     """
 
-    def __init__(self, options: TracerOptions, *, ring_slots: int = 8, throttle: float = 0.0):
+    def __init__(self, options: TracerOptions, *, ring_slots: int | None = None, throttle: float | None = None):
+        if ring_slots is None:
+            ring_slots = max(1, int(os.environ.get(ENV_RING_SLOTS, "8") or 8))
+        if throttle is None:
+            throttle = float(os.environ.get(ENV_THROTTLE, "0") or 0)
         self.options = options
         self._patched: list[tuple[Any, str, Any]] = []
         self._env_backup: dict[str, str | None] = {}
@@ -610,9 +620,7 @@ class Tracer:
         num_reqs = len(getattr(sched, "num_scheduled_tokens", {}) or {})
         md_by_layer, cudagraph, padded = self._step_metadata(runner)
         if not md_by_layer:
-            self._record_gap(
-                "request", "no-metadata: the runner kept no attention metadata for this step", num_tokens
-            )
+            self._record_gap("request", "no-metadata: the runner kept no attention metadata for this step", num_tokens)
             return
         req_ids = self._req_ids(num_reqs)
         names = [n for n in md_by_layer if self._wants(n)]
@@ -703,7 +711,7 @@ class Tracer:
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         n = record.num_actual_tokens
         with ctx:
-            out = {k: dev[k].to("cpu") for k in ("query", "output", "key", "value") if k in dev}
+            out: dict[str, Any] = {k: dev[k].to("cpu") for k in ("query", "output", "key", "value") if k in dev}
             spec_heads = (record.num_heads, record.head_size)
             out["query"] = out["query"].reshape(n, *spec_heads)
             out["output"] = out["output"].reshape(n, *spec_heads)

@@ -433,7 +433,9 @@ def token_elements(layout: str, num_kv_heads: int, block_size: int, head_size: i
     if layout in FLASH_STRIDE_ORDER:
         # logical (H_kv, bs, 2*D): K in [..., :D], V in [..., D:]
         return tuple(
-            tuple(head * bs * 2 * d + t * 2 * d + kv * d + dim for kv in (0, 1) for head in range(h) for dim in range(d))
+            tuple(
+                head * bs * 2 * d + t * 2 * d + kv * d + dim for kv in (0, 1) for head in range(h) for dim in range(d)
+            )
             for t in range(bs)
         )
     # cpu / cpu_amx: the logical tensor is contiguous, so its memory offsets are the positions.

