@@ -149,11 +149,11 @@ def test_unwritable_trace_dir_keeps_the_tokens(cpu_session, tmp_path):
 #: SIGKILLs itself just after that first step record.
 KILLED_SNIPPET = """
 import os, shutil, signal, sys
-import tracer.hooks as hooks
+import tracer.sink as sink
 from tracer.format import StepRecord
 from tracer.session import SessionConfig, run_session
 
-class KillAfterFirstStep(hooks.TraceWriter):
+class KillAfterFirstStep(sink.TraceWriter):
     snapshots = 0
     def append(self, record, tensors=None):
         stored = super().append(record, tensors)
@@ -163,7 +163,7 @@ class KillAfterFirstStep(hooks.TraceWriter):
         shutil.copytree(self.path, f"{self.path}.at{KillAfterFirstStep.snapshots}")
         return stored
 
-hooks.TraceWriter = KillAfterFirstStep
+sink.TraceWriter = KillAfterFirstStep
 run_session(SessionConfig(trace_dir=sys.argv[1], num_prompts=2, prompt_len=(20, 40), max_tokens=3))
 """
 

@@ -35,17 +35,16 @@ import math
 import os
 import sys
 import threading
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from tracer.format import GapRecord, RunInfo, StepRecord, TraceWriter, layer_index, layer_matches, step_in_range
-from tracer.manifest import import_attr, kv_layout_of, tp_rank, write_manifest
+from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
+from tracer.manifest import import_attr, kv_layout_of
 from tracer.options import TracerOptions
-from tracer.pending import LayerCapture, LayerStatic, capture_scales, dtype_name, read_static_floats
+from tracer.pending import LayerCapture, LayerStatic, capture_scales, dtype_name
 from tracer.ring import Slot, SlotPool, WriterThread, record_event
 from tracer.runtime import capturing, cuda_available, is_warmup_batch
-from tracer.writelog import WriteLog, clone_read_blocks, gather_written, geometry_of
+from tracer.sink import TraceSink
+from tracer.writelog import clone_read_blocks, gather_written, geometry_of
 
 __all__ = ["BACKEND_TARGETS", "MODULE_TARGETS", "RUNNER_METHODS", "RUNNER_TARGETS", "Tracer", "TracerOptions", "active"]
 
@@ -115,13 +114,10 @@ class Tracer:
         self.options = options
         self._patched: list[tuple[Any, str, Any]] = []
         self._env_backup: dict[str, str | None] = {}
-        self._writer: TraceWriter | None = None
-        self._write_failed = False
+        self._sink = TraceSink(options, self._fail)
         #: Why the trace is incomplete (the first write or recording failure), or None.
         self.error: str | None = None
         self._warned: set[str] = set()
-        self._manifest_written = False  # with the first record's backend and KV cache
-        self._run_info: RunInfo | None = None  # the manifest on disk, once written
         self._layer_locked: str | None = None
         self._runner: Any = None
         self._vllm_config: Any = None
@@ -132,7 +128,6 @@ class Tracer:
         self._throttle = throttle
         self._thread: WriterThread | None = None
         self._slot: Slot | None = None  # the step being filled
-        self._log = WriteLog(options.kv_check_every)
         self._log_valid: dict[str, bool] = {}  # layer -> every write since its last tensor step is logged
         self._logged_now: set[str] = set()
         self._model_ran = False
@@ -170,7 +165,9 @@ class Tracer:
             if not any(name == "forward" for _, name, _ in self._patched):
                 self._uninstall()
                 raise RuntimeError("no vLLM attention backend found to trace (is vLLM 0.26 installed?)")
-            self._thread = WriterThread(self._pool, self._handle_slot, self._on_writer_error, throttle=self._throttle)
+            self._thread = WriterThread(
+                self._pool, self._sink.handle_slot, self._on_writer_error, throttle=self._throttle
+            )
             _ACTIVE = self
             if export_env:
                 env = self.options.to_env()
@@ -193,8 +190,8 @@ class Tracer:
                 if self._thread is not None:
                     self._thread.close()
                     self._thread = None
-                self.stats["ring_waits"] = self._pool.waits
-                self._finish()
+                self.stats.update(self._sink.stats, ring_waits=self._pool.waits)
+                self._sink.finish()
             finally:
                 self._uninstall()
                 for k, v in self._env_backup.items():
@@ -288,6 +285,7 @@ class Tracer:
             def wrapper(runner, *args, **kwargs):
                 tracer._runner = runner
                 tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
+                tracer._sink.vllm_config = tracer._vllm_config
                 outer = tracer._phase[-1] if tracer._phase else None
                 # Nested calls belong to the outer step: the V2 runner's _dummy_run calls
                 # execute_model, profile_run and capture_model call _dummy_run, and the V1
@@ -376,7 +374,7 @@ class Tracer:
         return self._phase[-1] if self._phase else "request"
 
     def _wants(self, layer_name: str) -> bool:
-        if self._write_failed or not step_in_range(self.step, self.options.steps):
+        if self._sink.failed or not step_in_range(self.step, self.options.steps):
             return False
         sel = self.options.layers
         if sel == "all":
@@ -390,7 +388,7 @@ class Tracer:
     def _wants_tensors(self) -> bool:
         if not (self.options.tensors and self._kind() == "request"):
             return False
-        if self._writer is not None and self._writer.budget_exhausted:
+        if self._sink.budget_exhausted:
             return False
         return not is_warmup_batch(self._v2_req_ids)
 
@@ -678,124 +676,12 @@ class Tracer:
             slot.payload = {"captures": [], "hosts": {}, "gaps": []}
         slot.payload["captures"].append(GapRecord(step=self.step, kind=kind, reason=reason, num_tokens=num_tokens))
 
-    # -- the writer thread ---------------------------------------------------
-
-    def _handle_slot(self, slot: Slot) -> None:
-        """Writer thread: the slot's copies have landed; write its records in order."""
-        for item in slot.payload["captures"]:
-            if self._write_failed:
-                return
-            if isinstance(item, GapRecord):
-                self._write(item, None)
-                self.stats["gaps"] += 1
-                continue
-            read_static_floats(item.static)
-            record = item.record()
-            if item.scales is not None and not getattr(item.static.module, "calculate_kv_scales", False):
-                item.static.scales = {k: getattr(record, k) for k in ("q_scale", "k_scale", "v_scale")}
-            tensors = None
-            if item.tensors is not None:
-                record, tensors = self._log_tensors(item, record)
-            elif item.kind == "request":
-                self._log.invalidate(item.layer)
-            self._write(record, tensors, item)
-            self.stats["records"] += 1
-
-    def _log_tensors(self, item: LayerCapture, record: StepRecord) -> tuple[StepRecord, dict[str, Any] | None]:
-        """The write-log tensors of one record (host copies on the writer's own stream)."""
-        import torch
-
-        dev = item.tensors
-        assert dev is not None
-        stream = self._thread.side_stream if (self._thread is not None and cuda_available()) else None
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        n = record.num_actual_tokens
-        with ctx:
-            out: dict[str, Any] = {k: dev[k].to("cpu") for k in ("query", "output", "key", "value") if k in dev}
-            spec_heads = (record.num_heads, record.head_size)
-            out["query"] = out["query"].reshape(n, *spec_heads)
-            out["output"] = out["output"].reshape(n, *spec_heads)
-            slots = list(record.slot_mapping[:n])
-            rows = [i for i, s in enumerate(slots) if s >= 0]
-            written = dev["written"].to("cpu")
-            out["kv_slots"] = torch.tensor([slots[i] for i in rows], dtype=torch.long)
-            out["kv_written"] = written[rows] if len(rows) != written.shape[0] else written
-            block_size = item.static.block_size
-            epoch, new_blocks, check = self._log.plan(
-                item.layer,
-                [list(r) for r in record.block_table],
-                list(record.seq_lens),
-                [slots[i] for i in rows],
-                block_size,
-                reset=item.reset,
-            )
-            cols = int(dev["cols"])
-            first_row: dict[int, int] = {}  # block -> its first row in read_blocks ([num_reqs, cols] flattened)
-            for r, row in enumerate(record.block_table):
-                for c, block in enumerate(row):
-                    first_row.setdefault(block, r * cols + c)
-            read_blocks = dev["read_blocks"]
-            index = torch.tensor([first_row[b] for b in new_blocks], dtype=torch.long, device=read_blocks.device)
-            out["kv_new_blocks"] = read_blocks.index_select(0, index).to("cpu")
-            out["kv_new_block_ids"] = torch.tensor(new_blocks, dtype=torch.int32)
-            if check:
-                ids = sorted(first_row)
-                index = torch.tensor([first_row[b] for b in ids], dtype=torch.long, device=read_blocks.device)
-                out["kv_blocks"] = read_blocks.index_select(0, index).to("cpu")
-                out["kv_block_ids"] = torch.tensor(ids, dtype=torch.int32)
-        size = sum(t.numel() * t.element_size() for t in out.values())
-        writer = self._writer_or_new()
-        budget = writer.tensor_budget_bytes
-        if budget is not None and writer.tensor_bytes + size > budget:
-            writer.budget_exhausted = True
-            self._log.invalidate(item.layer)
-            return record, None
-        return replace(record, kv_log_epoch=epoch), out
-
     def _on_writer_error(self, exc: BaseException) -> None:
         self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
 
-    def _write(self, record, tensors, first: LayerCapture | None = None) -> None:
-        """Append one record; the manifest goes to disk before the first line of ``steps.jsonl``.
-
-        ``first``: the record's capture, whose backend and cache complete the manifest.
-        """
-        if self._write_failed:
-            return
-        try:
-            writer = self._writer_or_new()
-            if not self._manifest_written and (first is not None or self._run_info is None):
-                # A gap (the profile run) can come first: write what is known now, so a trace
-                # killed from here on opens; the first record's backend and cache complete it.
-                self._run_info = write_manifest(
-                    writer,
-                    self.options,
-                    self._vllm_config,
-                    impl=first.static.impl if first else None,
-                    kv_cache=first.static.kv_cache if first else None,
-                    layer=first.layer if first else "",
-                )
-                self._manifest_written = first is not None
-            stored = writer.append(record, tensors)
-            if getattr(stored, "tensors", None):
-                self.stats["tensor_files"] += 1
-        except OSError as exc:
-            self._fail(
-                f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
-            )
-
-    def _writer_or_new(self) -> TraceWriter:
-        if self._writer is None:
-            directory = Path(self.options.directory)
-            rank = tp_rank()
-            if rank:  # tensor-parallel workers other than rank 0 write a trace of their own
-                directory = directory / f"rank{rank}"
-            self._writer = TraceWriter(directory, tensor_budget_bytes=self.options.budget_bytes)
-        return self._writer
-
     def _fail(self, message: str) -> None:
         """Stop tracing (the engine runs on); keep the first reason in ``error`` and say it once."""
-        self._write_failed = True
+        self._sink.failed = True
         if self.error is None:
             self.error = message
             self._warn_once(message)
@@ -808,21 +694,3 @@ class Tracer:
         import warnings
 
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    # -- closing -------------------------------------------------------------
-
-    def _finish(self) -> None:
-        if self._writer is not None:
-            if self._manifest_written and self._writer.budget_exhausted:
-                logger.warning(
-                    "pagedtrace: tensor budget of %d bytes used up; later steps have no tensors",
-                    self.options.budget_bytes,
-                )
-            self._writer.close()
-            if self._run_info is not None and not self._write_failed:
-                finished = replace(self._run_info, extra={**self._run_info.extra, "finished": True})
-                try:
-                    self._writer.write_manifest(finished)
-                except OSError as exc:
-                    self._fail(f"pagedtrace: cannot finish the trace's manifest in {self.options.directory}: {exc}")
-            self._writer = None

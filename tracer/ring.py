@@ -123,7 +123,6 @@ class WriterThread:
         self._failed = False
         self.throttle = throttle
         self.handled = 0
-        self._side_stream: Any = None
         self._thread = threading.Thread(target=self._run, name="pagedtrace-writer", daemon=True)
         self._thread.start()
 
@@ -138,15 +137,6 @@ class WriterThread:
         """Handle what is queued, then end the thread."""
         self._queue.put(None)
         self._thread.join()
-
-    @property
-    def side_stream(self) -> Any:
-        """A CUDA stream of the writer's own for its device-to-host copies (created on first use)."""
-        if self._side_stream is None:
-            import torch
-
-            self._side_stream = torch.cuda.Stream()
-        return self._side_stream
 
     def _run(self) -> None:
         while True:

@@ -1,0 +1,190 @@
+"""The writer thread's half of the tracer: records, the KV write log's tensors, the trace on disk.
+
+:class:`TraceSink` runs on ``tracer.ring.WriterThread`` only, one slot at a time, in step
+order. Each slot's captures (``tracer.pending.LayerCapture``) become records, tensor steps
+become write-log tensors (copied to the host on a CUDA stream of the writer's own, so the
+engine's stream never waits), and the manifest goes to disk before the first line of
+``steps.jsonl``. The hot path (``tracer.hooks``) never calls into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tracer.format import GapRecord, RunInfo, StepRecord, TraceWriter
+from tracer.manifest import tp_rank, write_manifest
+from tracer.options import TracerOptions
+from tracer.pending import LayerCapture, read_static_floats
+from tracer.ring import Slot
+from tracer.runtime import cuda_available
+from tracer.writelog import WriteLog
+
+__all__ = ["TraceSink"]
+
+logger = logging.getLogger("pagedtrace")
+
+
+class TraceSink:
+    """Writes one trace directory from the slots the writer thread hands it.
+
+    ``on_fail(message)``: called on a write error (the tracer stops recording, the engine
+    runs on). ``vllm_config`` is set by the hooks once a runner is seen (for the manifest).
+    """
+
+    def __init__(self, options: TracerOptions, on_fail: Callable[[str], None]):
+        self.options = options
+        self.on_fail = on_fail
+        self.failed = False
+        self.vllm_config: Any = None
+        self.log = WriteLog(options.kv_check_every)
+        self.stats = {"records": 0, "gaps": 0, "tensor_files": 0}
+        self._writer: TraceWriter | None = None
+        self._manifest_written = False  # with the first record's backend and KV cache
+        self._run_info: RunInfo | None = None  # the manifest on disk, once written
+        self._side_stream: Any = None
+
+    @property
+    def budget_exhausted(self) -> bool:
+        return self._writer is not None and self._writer.budget_exhausted
+
+    def side_stream(self) -> Any:
+        """A CUDA stream of the writer's own for its device-to-host copies (made on first use)."""
+        if self._side_stream is None:
+            import torch
+
+            self._side_stream = torch.cuda.Stream()
+        return self._side_stream
+
+    def handle_slot(self, slot: Slot) -> None:
+        """The slot's copies have landed: write its records in order."""
+        for item in slot.payload["captures"]:
+            if self.failed:
+                return
+            if isinstance(item, GapRecord):
+                self.write(item, None)
+                self.stats["gaps"] += 1
+                continue
+            read_static_floats(item.static)
+            record = item.record()
+            if item.scales is not None and not getattr(item.static.module, "calculate_kv_scales", False):
+                item.static.scales = {k: getattr(record, k) for k in ("q_scale", "k_scale", "v_scale")}
+            tensors = None
+            if item.tensors is not None:
+                record, tensors = self.log_tensors(item, record)
+            elif item.kind == "request":
+                self.log.invalidate(item.layer)  # its cache was written without a log entry
+            self.write(record, tensors, item)
+            self.stats["records"] += 1
+
+    def log_tensors(self, item: LayerCapture, record: StepRecord) -> tuple[StepRecord, dict[str, Any] | None]:
+        """The write-log tensors of one record (host copies on the writer's own stream)."""
+        import torch
+
+        dev = item.tensors
+        assert dev is not None
+        ctx = torch.cuda.stream(self.side_stream()) if cuda_available() else contextlib.nullcontext()
+        n = record.num_actual_tokens
+        with ctx:
+            out: dict[str, Any] = {k: dev[k].to("cpu") for k in ("query", "output", "key", "value") if k in dev}
+            spec_heads = (record.num_heads, record.head_size)
+            out["query"] = out["query"].reshape(n, *spec_heads)
+            out["output"] = out["output"].reshape(n, *spec_heads)
+            slots = list(record.slot_mapping[:n])
+            rows = [i for i, s in enumerate(slots) if s >= 0]
+            written = dev["written"].to("cpu")
+            out["kv_slots"] = torch.tensor([slots[i] for i in rows], dtype=torch.long)
+            out["kv_written"] = written[rows] if len(rows) != written.shape[0] else written
+            block_size = item.static.block_size
+            epoch, new_blocks, check = self.log.plan(
+                item.layer,
+                [list(r) for r in record.block_table],
+                list(record.seq_lens),
+                [slots[i] for i in rows],
+                block_size,
+                reset=item.reset,
+            )
+            cols = int(dev["cols"])
+            first_row: dict[int, int] = {}  # block -> its first row in read_blocks ([num_reqs, cols] flattened)
+            for r, row in enumerate(record.block_table):
+                for c, block in enumerate(row):
+                    first_row.setdefault(block, r * cols + c)
+            read_blocks = dev["read_blocks"]
+            index = torch.tensor([first_row[b] for b in new_blocks], dtype=torch.long, device=read_blocks.device)
+            out["kv_new_blocks"] = read_blocks.index_select(0, index).to("cpu")
+            out["kv_new_block_ids"] = torch.tensor(new_blocks, dtype=torch.int32)
+            if check:
+                ids = sorted(first_row)
+                index = torch.tensor([first_row[b] for b in ids], dtype=torch.long, device=read_blocks.device)
+                out["kv_blocks"] = read_blocks.index_select(0, index).to("cpu")
+                out["kv_block_ids"] = torch.tensor(ids, dtype=torch.int32)
+        size = sum(t.numel() * t.element_size() for t in out.values())
+        writer = self.writer()
+        budget = writer.tensor_budget_bytes
+        if budget is not None and writer.tensor_bytes + size > budget:
+            writer.budget_exhausted = True
+            self.log.invalidate(item.layer)
+            return record, None
+        return replace(record, kv_log_epoch=epoch), out
+
+    def write(
+        self, record: StepRecord | GapRecord, tensors: dict[str, Any] | None, first: LayerCapture | None = None
+    ) -> None:
+        """Append one record; the manifest goes to disk before the first line of ``steps.jsonl``.
+
+        ``first``: the record's capture, whose backend and cache complete the manifest.
+        """
+        if self.failed:
+            return
+        try:
+            writer = self.writer()
+            if not self._manifest_written and (first is not None or self._run_info is None):
+                # A gap (the profile run) can come first: write what is known now, so a trace
+                # killed from here on opens; the first record's backend and cache complete it.
+                self._run_info = write_manifest(
+                    writer,
+                    self.options,
+                    self.vllm_config,
+                    impl=first.static.impl if first else None,
+                    kv_cache=first.static.kv_cache if first else None,
+                    layer=first.layer if first else "",
+                )
+                self._manifest_written = first is not None
+            stored = writer.append(record, tensors)
+            if getattr(stored, "tensors", None):
+                self.stats["tensor_files"] += 1
+        except OSError as exc:
+            self.on_fail(
+                f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
+            )
+
+    def writer(self) -> TraceWriter:
+        if self._writer is None:
+            directory = Path(self.options.directory)
+            rank = tp_rank()
+            if rank:  # tensor-parallel workers other than rank 0 write a trace of their own
+                directory = directory / f"rank{rank}"
+            self._writer = TraceWriter(directory, tensor_budget_bytes=self.options.budget_bytes)
+        return self._writer
+
+    def finish(self) -> None:
+        """Close the trace; mark the manifest finished unless recording failed."""
+        if self._writer is None:
+            return
+        if self._manifest_written and self._writer.budget_exhausted:
+            logger.warning(
+                "pagedtrace: tensor budget of %d bytes used up; later steps have no tensors",
+                self.options.budget_bytes,
+            )
+        self._writer.close()
+        if self._run_info is not None and not self.failed:
+            finished = replace(self._run_info, extra={**self._run_info.extra, "finished": True})
+            try:
+                self._writer.write_manifest(finished)
+            except OSError as exc:
+                self.on_fail(f"pagedtrace: cannot finish the trace's manifest in {self.options.directory}: {exc}")
+        self._writer = None
