@@ -131,6 +131,7 @@ class Tracer:
         self._log_valid: dict[str, bool] = {}  # layer -> every write since its last tensor step is logged
         self._logged_now: set[str] = set()
         self._model_ran = False
+        self._in_capture = 0  # inside the runner's capture_model: no device copies at all
         # step bookkeeping
         self.step = -1
         self._depth = 0
@@ -296,11 +297,19 @@ class Tracer:
                 new_step = counts_step and tracer._depth == 0
                 if new_step:
                     tracer._begin_step()
+                capture = method == "capture_model"
+                if capture:
+                    # The writer thread must stay off the device while graphs are captured (vLLM
+                    # captures in global mode: any thread's sync or copy aborts the capture). Let it
+                    # finish what it holds; passes inside capture_model make no copies.
+                    tracer.drain()
+                    tracer._in_capture += 1
                 tracer._phase.append(effective)
                 tracer._depth += counts_step
                 try:
                     return original(runner, *args, **kwargs)
                 finally:
+                    tracer._in_capture -= capture
                     tracer._depth -= counts_step
                     tracer._phase.pop()
                     if new_step:
@@ -451,14 +460,16 @@ class Tracer:
         if self.options.layers == "first" and self._layer_locked is None:
             self._layer_locked = name
         self._seen_in_step = True
-        if capturing():
+        if self._in_capture or capturing():
             if self._gap_noted_step != self.step:
                 self._gap_noted_step = self.step
-                self._record_gap(
-                    self._kind(),
-                    "cuda-graph-capture: no copies allowed while capturing",
-                    int(attn_metadata.num_actual_tokens),
+                why = (
+                    "cuda-graph-capture: no copies allowed while capturing"
+                    if capturing()
+                    else "cuda-graph-capture: a warm-up pass of capture_model (the tracer stays off the device "
+                    "while graphs are captured)"
                 )
+                self._record_gap(self._kind(), why, int(attn_metadata.num_actual_tokens))
             return
         assert static is not None
         if self._kind() == "request" and self._depth == 1:
@@ -561,6 +572,7 @@ class Tracer:
             for value in tensors.values():
                 if hasattr(value, "element_size"):
                     self._pool.hold(slot, value.numel() * value.element_size())
+        record_event(slot, cuda_available())  # after every copy and clone above: the writer waits for it
         slot.payload["captures"].append(
             LayerCapture(self.step, capture_kind, static, metadata, host, req_ids, scales, tensors, reset)
         )
@@ -661,7 +673,6 @@ class Tracer:
         if self._thread is None:
             self._pool.release(slot)
             return
-        record_event(slot, cuda_available())
         self._thread.submit(slot)
 
     def _drop_slot(self) -> None:

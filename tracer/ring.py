@@ -148,10 +148,10 @@ class WriterThread:
                     import time
 
                     time.sleep(self.throttle)
-                if slot.event is not None:
-                    slot.event.synchronize()
                 if not self._failed:
                     try:
+                        if slot.event is not None:
+                            slot.event.synchronize()
                         self._handle(slot)
                         self.handled += 1
                     except BaseException as exc:  # noqa: BLE001 - the engine must run on
