@@ -1,0 +1,95 @@
+"""The format-3 H200 fixtures (issue "Trace the engine users really run"), replayed on the CPU.
+
+Made by ``scripts/h200-v3.sh`` on the H200 (vLLM 0.26.0, FA3, V2 model runner), 2026-12-01:
+
+* ``h200-qwen2.5-7b-default-v3``: vLLM's default FULL_AND_PIECEWISE graphs, metadata for
+  layers 0 and 27: the decode steps replay full CUDA graphs and are recorded all the same.
+* ``h200-gemma2-default-v3``: the gemma-2-9b preset in the default mode, layers 0 (64-token
+  window) and 1 (full attention): two KV-cache groups, each with its own block table.
+* ``h200-llama3.1-8b-fp8-writelog``: PIECEWISE, fp8 KV cache, tensors of layer 0 as a KV write
+  log with whole blocks every second step: the rebuild is checked against them bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reference_impl.replay import replay_trace
+from tracer.format import Trace
+from tracer.format.kvlog import verify_write_log
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _open(name: str) -> Trace:
+    return Trace.open(FIXTURES / name)
+
+
+def _request_steps(trace: Trace) -> list[int]:
+    return sorted({r.step for r in trace.steps(kind="request")})
+
+
+@pytest.mark.parametrize("name", ["h200-qwen2.5-7b-default-v3", "h200-gemma2-default-v3"])
+def test_default_graph_mode_records_every_request_step(name):
+    trace = _open(name)
+    assert trace.run.format_version == 3 and trace.run.cudagraph_mode == "FULL_AND_PIECEWISE"
+    steps = _request_steps(trace)
+    # every step from the first request step on is a record, save the runner's one empty step
+    empty = [g.step for g in trace.gaps if g.kind == "request"]
+    assert all(g.reason.startswith("empty-step") for g in trace.gaps if g.kind == "request")
+    assert steps == [s for s in range(steps[0], steps[-1] + 1) if s not in empty]
+    session_tokens = trace.read_json("session.json")["config"]["max_tokens"]
+    assert len(steps) == session_tokens  # one prefill step, then one step per further token
+    by_graph = {}
+    for r in trace.steps(kind="request", layer=trace.layers[0]):
+        by_graph.setdefault(r.cudagraph, []).append(r)
+    assert len(by_graph["full"]) == len(steps) - 1  # the decode steps ran as full CUDA graphs
+    assert [r.num_reqs for r in by_graph["none"]] and all(r.max_query_len > 1 for r in by_graph["none"])
+    for r in by_graph["full"]:
+        assert r.padded_tokens >= r.num_actual_tokens == r.num_reqs  # one new token per request, padded
+    assert len(trace.layers) == 2
+    for layer in trace.layers:  # every traced layer in every step
+        assert sorted(r.step for r in trace.steps(kind="request", layer=layer)) == steps
+
+
+@pytest.mark.parametrize("name", ["h200-qwen2.5-7b-default-v3", "h200-gemma2-default-v3"])
+def test_default_mode_metadata_is_consistent(name):
+    report = replay_trace(_open(name))
+    assert report.ok and not report.steps and report.metadata
+    assert all(m.ok for m in report.metadata)
+
+
+def test_decode_steps_carry_the_sequence_forward():
+    trace = _open("h200-qwen2.5-7b-default-v3")
+    records = trace.steps(kind="request", layer=trace.layers[0])
+    for before, after in zip(records, records[1:], strict=False):
+        grew = {rid: s for rid, s in zip(after.request_ids, after.seq_lens, strict=True)}
+        for rid, s in zip(before.request_ids, before.seq_lens, strict=True):
+            assert grew[rid] == s + 1  # each full-graph step appends one token to every request
+
+
+def test_gemma_keeps_two_kv_cache_groups_apart():
+    trace = _open("h200-gemma2-default-v3")
+    windowed, full = trace.layers
+    assert {r.sliding_window for r in trace.steps(layer=windowed, kind="request")} == {(63, 0)}
+    assert {r.sliding_window for r in trace.steps(layer=full, kind="request")} <= {None, (-1, -1)}
+    pairs = zip(trace.steps(layer=windowed, kind="request"), trace.steps(layer=full, kind="request"), strict=True)
+    assert any(a.block_table != b.block_table for a, b in pairs)  # each group has its own blocks
+
+
+def test_the_fp8_write_log_rebuilds_bit_for_bit_and_replays():
+    trace = _open("h200-llama3.1-8b-fp8-writelog")
+    assert trace.run.kv_cache.cache_dtype.startswith("fp8")
+    requests = [r for r in trace.steps(kind="request") if r.tensors]
+    assert requests and all(r.kv_log_epoch == 0 for r in requests)
+    checks = verify_write_log(trace)
+    assert len(checks) >= 2 and all(c.ok for c in checks), [str(c) for c in checks]
+    logged = [r for r in requests if "kv_blocks" not in r.tensor_names]
+    assert logged  # steps whose blocks come from the log alone
+    for r in logged:
+        assert trace.tensors(r)["kv_new_blocks"].shape[0] == 0
+    report = replay_trace(trace)
+    assert report.ok and len(report.steps) == len(requests)
+    assert all(w.ok for w in report.write_path)
