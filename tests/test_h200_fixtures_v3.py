@@ -12,6 +12,7 @@ Made by ``scripts/h200-v3.sh`` on the H200 (vLLM 0.26.0, FA3, V2 model runner), 
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,8 @@ def test_default_mode_metadata_is_consistent(name):
 def test_decode_steps_carry_the_sequence_forward():
     trace = _open("h200-qwen2.5-7b-default-v3")
     records = trace.steps(kind="request", layer=trace.layers[0])
-    for before, after in zip(records, records[1:], strict=False):
-        grew = {rid: s for rid, s in zip(after.request_ids, after.seq_lens, strict=True)}
+    for before, after in itertools.pairwise(records):
+        grew = dict(zip(after.request_ids, after.seq_lens, strict=True))
         for rid, s in zip(before.request_ids, before.seq_lens, strict=True):
             assert grew[rid] == s + 1  # each full-graph step appends one token to every request
 
