@@ -16,6 +16,10 @@ from tracer.format.summary import TraceSummary, step_ranges
 MAX_GAP_TEXT = 120
 
 
+#: ``StepRecord.cudagraph`` in words, for the summary's CUDA-graph row.
+GRAPH_WORDS = {"full": "as full graphs", "piecewise": "piecewise", "none": "eager"}
+
+
 def _layers_text(layers: tuple[str, ...], total: int | None) -> str:
     if not layers:
         return "none recorded"
@@ -63,6 +67,9 @@ def build_trace_summary_table(s: TraceSummary) -> Table:
         )
     kinds = ", ".join(f"{n} {kind}" for kind, n in s.steps_by_kind.items()) or "none"
     row("steps", f"{kinds} ({s.num_records} (step, layer) records)")
+    if s.steps_by_graph:
+        graphs = ", ".join(f"{n} {GRAPH_WORDS.get(mode, mode)}" for mode, n in s.steps_by_graph.items())
+        row("CUDA graphs", f"request steps: {graphs}")
     row("layers", _layers_text(s.layers, m["num_layers"] if m else None))
     if s.gaps:
         for i, g in enumerate(s.gaps):
@@ -74,6 +81,8 @@ def build_trace_summary_table(s: TraceSummary) -> Table:
         if s.records_with_tensors
         else "not captured (metadata only)"
     )
+    if s.write_log_records:
+        tensors += f" as a KV write log ({s.check_records} check steps keep their blocks whole)"
     row("tensors", tensors)
     if s.session is None:
         row("session", "no session.json (not written by `pagedtrace run`; a `vllm serve` trace, say)", "dim")

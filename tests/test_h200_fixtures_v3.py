@@ -94,3 +94,14 @@ def test_the_fp8_write_log_rebuilds_bit_for_bit_and_replays():
     report = replay_trace(trace)
     assert report.ok and len(report.steps) == len(requests)
     assert all(w.ok for w in report.write_path)
+
+
+def test_show_says_how_each_step_ran_and_that_tensors_are_a_write_log():
+    from tracer.format.summary import summarize
+
+    default = summarize(_open("h200-qwen2.5-7b-default-v3"))
+    assert default.steps_by_graph == {"full": 15, "none": 1}
+    assert default.write_log_records == 0
+    fp8 = summarize(_open("h200-llama3.1-8b-fp8-writelog"))
+    assert fp8.write_log_records == fp8.records_with_tensors > fp8.check_records == 3
+    assert summarize(_open("h200-qwen2.5-7b-default")).steps_by_graph == {}  # format 1: not recorded

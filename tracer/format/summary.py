@@ -8,6 +8,7 @@ files ``session.json`` / ``replay.json`` when present), so it summarises any tra
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,11 @@ class TraceSummary:
     tracer_options: dict[str, Any]  #: layers, steps, tensors, budget as the tracer ran
     session: dict[str, Any] | None  #: prompts and generated tokens (``pagedtrace run``); None without session.json
     replay: dict[str, Any] | None  #: verdict of ``replay.json`` when present (``ok``, counts, kernel)
+    #: request steps by how they ran (``StepRecord.cudagraph``: ``full``, ``piecewise``, ``none``);
+    #: empty for traces before format 3
+    steps_by_graph: dict[str, int] = dataclasses.field(default_factory=dict)
+    write_log_records: int = 0  #: records whose tensors are a KV write log (format 3)
+    check_records: int = 0  #: of those, check steps that also keep their blocks whole
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types only."""
@@ -91,6 +97,9 @@ class TraceSummary:
             "tracer_options": self.tracer_options,
             "session": self.session,
             "replay": self.replay,
+            "steps_by_graph": self.steps_by_graph,
+            "write_log_records": self.write_log_records,
+            "check_records": self.check_records,
         }
 
 
@@ -98,8 +107,11 @@ def summarize(trace: Trace) -> TraceSummary:
     """The :class:`TraceSummary` of ``trace``; a side file that cannot be read is noted, not raised."""
     run = trace.run
     kinds: dict[str, set[int]] = {}
+    graphs: dict[str, set[int]] = {}
     for r in trace.records:
         kinds.setdefault(r.kind, set()).add(r.step)
+        if r.kind == "request" and r.cudagraph is not None:
+            graphs.setdefault(r.cudagraph, set()).add(r.step)
     by_reason: dict[str, list] = {}
     for g in trace.gaps:
         by_reason.setdefault(g.reason, []).append(g)
@@ -143,6 +155,9 @@ def summarize(trace: Trace) -> TraceSummary:
         tracer_options=dict(run.options),
         session=_session(trace),
         replay=_replay(trace),
+        steps_by_graph={mode: len(steps) for mode, steps in sorted(graphs.items(), key=lambda kv: -len(kv[1]))},
+        write_log_records=sum(r.kv_log_epoch is not None for r in trace.records),
+        check_records=sum(r.kv_log_epoch is not None and "kv_blocks" in r.tensor_names for r in trace.records),
     )
 
 

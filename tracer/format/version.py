@@ -6,7 +6,7 @@ Standard library only; every room (and the CLI) reads the version from here.
 from __future__ import annotations
 
 #: pagedtrace's release (also in pyproject.toml; the manifest records it).
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 #: Version of the on-disk trace format (``manifest.json``, ``steps.jsonl``,
 #: ``tensors/``, ``sources/``, ``replay.json``). Readers open every version in
