@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tracer import hooks
+from tracer import hooks, wrappers
 from tracer.format import parse_layers, parse_steps
 from tracer.hooks import Tracer, TracerOptions
 
@@ -49,7 +50,7 @@ def test_second_start_refuses(tmp_path):
 
 def test_failed_start_leaves_nothing_patched(tmp_path, monkeypatch):
     def broken(self):
-        self._patch(cpu_attn.CPUAttentionBackendImpl, "forward", self._wrap_forward)
+        self._patch(cpu_attn.CPUAttentionBackendImpl, "forward", functools.partial(wrappers.forward, self))
         raise OSError("boom")
 
     monkeypatch.setattr(Tracer, "_install", broken)

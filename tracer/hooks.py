@@ -1,21 +1,21 @@
-"""Wrap vLLM's model runners and attention backends; record what attention receives.
+"""The tracer: installs the hooks, keeps the step state, queues each step's records off the step.
 
 Request steps are recorded where the model runner prepares them, so every step has a
 record whatever the CUDA-graph mode: a full graph replays without calling Python
 ``forward``, but the runner still builds that step's attention metadata. At the end of
-``execute_model`` the hooks read it (the V1 runner passes it to ``set_forward_context``;
+``execute_model`` the tracer reads it (the V1 runner passes it to ``set_forward_context``;
 the V2 runner keeps it in ``execute_model_state``, and ``dispatch_cg_and_sync_dp`` says
-which graph ran), queue non-blocking copies of its tensors into a pinned ring slot,
-record a CUDA event and hand the slot to the writer thread (``tracer.ring``). Nothing on
-the step waits for the device; JSON and files are written on that thread.
+which graph ran), queues non-blocking copies of its tensors into a pinned ring slot
+(``tracer.capture``), records a CUDA event and hands the slot to the writer thread
+(``tracer.ring``, ``tracer.sink``). Nothing on the step waits for the device.
 
 ``forward`` / ``do_kv_cache_update`` add what only they see: the query's dtype, and for
 tensor steps device-side clones of query / output / key / value plus the KV write log's
-gathers (``tracer.writelog``). Warm-up and profile passes are recorded from ``forward``
-(the runner gives them no scheduler output). Nothing is copied while a CUDA graph is being
-captured: that would abort the capture and crash the engine.
+gathers (``tracer.writelog``). Warm-up and profile passes are recorded from ``forward``.
+While the runner captures CUDA graphs nothing is copied and the writer stays off the
+device: vLLM captures in global mode, where any thread's sync aborts the capture.
 
-Patched (when importable):
+Patched (when importable), with the wrappers of ``tracer.wrappers``:
 
 * ``vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward`` / ``.do_kv_cache_update``
 * ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` / ``.do_kv_cache_update``
@@ -31,20 +31,20 @@ import atexit
 import contextlib
 import functools
 import logging
-import math
 import os
 import sys
 import threading
 from typing import Any
 
+from tracer import wrappers
+from tracer.capture import queue_host_copies, read_columns, step_fields, tensor_clones
 from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
-from tracer.manifest import import_attr, kv_layout_of
+from tracer.manifest import import_attr
 from tracer.options import TracerOptions
 from tracer.pending import LayerCapture, LayerStatic, capture_scales, dtype_name
 from tracer.ring import Slot, SlotPool, WriterThread, record_event
 from tracer.runtime import capturing, cuda_available, is_warmup_batch
 from tracer.sink import TraceSink
-from tracer.writelog import clone_read_blocks, gather_written, geometry_of
 
 __all__ = ["BACKEND_TARGETS", "MODULE_TARGETS", "RUNNER_METHODS", "RUNNER_TARGETS", "Tracer", "TracerOptions", "active"]
 
@@ -83,17 +83,6 @@ _LOCK = threading.Lock()
 def active() -> Tracer | None:
     """The tracer installed in this process, if any."""
     return _ACTIVE
-
-
-def read_columns(md: Any, block_size: int) -> int:
-    """Block-table columns a step reads: ``ceil(max_seq_len / block_size)``, at most the table's width."""
-    return min(int(md.block_table.shape[1]), max(1, math.ceil(int(md.max_seq_len) / block_size)))
-
-
-def _graph_mode(mode: Any) -> str:
-    """vLLM's ``CUDAGraphMode`` (or None) as ``StepRecord.cudagraph``."""
-    name = str(getattr(mode, "name", mode or "NONE")).lower()
-    return name if name in ("none", "piecewise", "full") else "none"
 
 
 class Tracer:
@@ -226,20 +215,20 @@ class Tracer:
             cls = import_attr(module_name, cls_name)
             if cls is None:
                 continue
-            self._patch(cls, "forward", self._wrap_forward)
-            self._patch(cls, "do_kv_cache_update", self._wrap_kv_update)
+            self._patch(cls, "forward", functools.partial(wrappers.forward, self))
+            self._patch(cls, "do_kv_cache_update", functools.partial(wrappers.kv_update, self))
         for module_name, cls_name in RUNNER_TARGETS:
             cls = import_attr(module_name, cls_name)
             if cls is None:
                 continue
             for method in RUNNER_METHODS:
                 if method in vars(cls):
-                    self._patch(cls, method, self._wrap_runner(method))
+                    self._patch(cls, method, wrappers.runner(self, method))
         for module_name, func in MODULE_TARGETS:
             if import_attr(module_name, func) is None:
                 continue
-            make = self._wrap_forward_context if func == "set_forward_context" else self._wrap_dispatch
-            self._patch(sys.modules[module_name], func, make)
+            make = wrappers.forward_context if func == "set_forward_context" else wrappers.dispatch
+            self._patch(sys.modules[module_name], func, functools.partial(make, self))
 
     def _patch(self, owner: Any, name: str, make_wrapper: Any) -> None:
         original = vars(owner).get(name)
@@ -256,126 +245,6 @@ class Tracer:
             setattr(owner, name, original)
 
     # -- wrappers -----------------------------------------------------------
-
-    def _wrap_runner(self, method: str):
-        """Return a wrapper factory for one model-runner method."""
-        tracer = self
-        phase: str | None = {
-            "execute_model": "request",
-            "profile_run": "profile",
-            "capture_model": "warmup",
-            "_dummy_run": "warmup",
-            "prepare_inputs": None,
-        }[method]
-        counts_step = method in ("execute_model", "_dummy_run")
-
-        def make(original):
-            if method == "prepare_inputs":
-                # V2 runner: rows are sorted here, so take the request ids from its batch.
-                @functools.wraps(original)
-                def prepare_inputs(runner, *args, **kwargs):
-                    batch = original(runner, *args, **kwargs)
-                    ids = getattr(batch, "req_ids", None)
-                    if ids is not None:
-                        tracer._v2_req_ids = tuple(ids)
-                    return batch
-
-                return prepare_inputs
-
-            @functools.wraps(original)
-            def wrapper(runner, *args, **kwargs):
-                tracer._runner = runner
-                tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
-                tracer._sink.vllm_config = tracer._vllm_config
-                outer = tracer._phase[-1] if tracer._phase else None
-                # Nested calls belong to the outer step: the V2 runner's _dummy_run calls
-                # execute_model, profile_run and capture_model call _dummy_run, and the V1
-                # runner pads data-parallel steps with a _dummy_run inside execute_model.
-                nested = outer is not None and (tracer._depth > 0 or method == "_dummy_run")
-                effective = outer if nested else phase
-                assert effective is not None  # prepare_inputs has its own wrapper above
-                new_step = counts_step and tracer._depth == 0
-                if new_step:
-                    tracer._begin_step()
-                capture = method == "capture_model"
-                if capture:
-                    # The writer thread must stay off the device while graphs are captured (vLLM
-                    # captures in global mode: any thread's sync or copy aborts the capture). Let it
-                    # finish what it holds; passes inside capture_model make no copies.
-                    tracer.drain()
-                    tracer._in_capture += 1
-                tracer._phase.append(effective)
-                tracer._depth += counts_step
-                try:
-                    return original(runner, *args, **kwargs)
-                finally:
-                    tracer._in_capture -= capture
-                    tracer._depth -= counts_step
-                    tracer._phase.pop()
-                    if new_step:
-                        tracer._end_step(method, effective, runner, args, kwargs)
-
-            return wrapper
-
-        return make
-
-    def _wrap_forward_context(self, original):
-        tracer = self
-
-        @functools.wraps(original)
-        def set_forward_context(attn_metadata, *args, **kwargs):
-            if tracer._depth == 1 and tracer._phase == ["request"]:
-                desc = kwargs.get("batch_descriptor")
-                padded = getattr(desc, "num_tokens", None) or kwargs.get("num_tokens")
-                tracer._fc = (attn_metadata, _graph_mode(kwargs.get("cudagraph_runtime_mode")), padded)
-            return original(attn_metadata, *args, **kwargs)
-
-        return set_forward_context
-
-    def _wrap_dispatch(self, original):
-        tracer = self
-
-        @functools.wraps(original)
-        def dispatch_cg_and_sync_dp(*args, **kwargs):
-            result = original(*args, **kwargs)
-            with contextlib.suppress(Exception):  # an unexpected shape: the step just lacks the graph
-                desc = result[0]
-                tracer._dispatch = (_graph_mode(desc.cg_mode), int(desc.num_tokens))
-            return result
-
-        return dispatch_cg_and_sync_dp
-
-    def _wrap_kv_update(self, original):
-        tracer = self
-
-        @functools.wraps(original)
-        def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
-            result = original(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
-            name = getattr(layer, "layer_name", "")
-            if tracer._kind() == "request" and tracer._wants(name) and not capturing():
-                n = slot_mapping.shape[0]
-                entry = {"slot_mapping": slot_mapping.detach().clone()}
-                if tracer._wants_tensors():
-                    entry["key"] = key[:n].detach().clone()
-                    entry["value"] = value[:n].detach().clone()
-                tracer._kv_inputs[name] = entry
-            return result
-
-        return do_kv_cache_update
-
-    def _wrap_forward(self, original):
-        tracer = self
-
-        @functools.wraps(original)
-        def forward(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-            result = original(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-            try:
-                tracer._on_forward(impl, layer, query, kv_cache, attn_metadata, output)
-            except Exception as exc:  # noqa: BLE001 - the engine must run on
-                tracer._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
-            return result
-
-        return forward
 
     # -- what to record ------------------------------------------------------
 
@@ -484,27 +353,8 @@ class Tracer:
 
     def _capture_tensors(self, static: LayerStatic, query, md, output) -> None:
         """Device-side clones for a tensor step (queued on the stream: no host sync)."""
-        n = int(md.num_actual_tokens)
         kv_in = self._kv_inputs.pop(static.name, None) or {}
-        slot_mapping = kv_in.get("slot_mapping")
-        if slot_mapping is None:
-            slot_mapping = md.slot_mapping[:n]
-        if static.geometry is None:
-            static.layout = static.layout or kv_layout_of(static.impl, static.kv_cache)
-            static.geometry = geometry_of(static.kv_cache, static.layout)
-        num_reqs = int(md.seq_lens.shape[0])
-        blocks, cols = clone_read_blocks(static.kv_cache, md.block_table, num_reqs, int(md.max_seq_len))
-        tensors = {
-            "query": query[:n].detach().clone(),
-            "output": output[:n].detach().clone(),
-            "written": gather_written(static.geometry, slot_mapping[:n], static.kv_cache.dtype),
-            "read_blocks": blocks,
-            "cols": cols,
-        }
-        for k in ("key", "value"):
-            if k in kv_in:
-                tensors[k] = kv_in[k]
-        self._step_tensors[static.name] = tensors
+        self._step_tensors[static.name] = tensor_clones(static, query, md, output, kv_in)
 
     def _capture(
         self,
@@ -528,36 +378,8 @@ class Tracer:
         host = hosts.get(id(md))  # the layers of one KV-cache group share their metadata
         if host is None:
             cols = tensors["cols"] if tensors else read_columns(md, static.block_size)
-            key = str(len(hosts))
-            host = hosts[id(md)] = {
-                "query_start_loc": slot.host(key + "qsl", md.query_start_loc[: num_reqs + 1]),
-                "seq_lens": slot.host(key + "sl", md.seq_lens[:num_reqs]),
-                "block_table": slot.host(key + "bt", md.block_table[:num_reqs, :cols]),
-                "slot_mapping": slot.host(key + "sm", md.slot_mapping[:num_tokens]),
-            }
-        window = getattr(md, "sliding_window", None)
-        if window is None:
-            window = getattr(static.impl, "sliding_window", None)
-        if isinstance(window, int):  # the CPU backend keeps one int, -1 = none
-            window = (-1, -1) if window < 0 else (window - 1, 0)
-        causal = getattr(md, "causal", True)
-        impl = static.impl
-        metadata = {
-            "num_actual_tokens": num_tokens,
-            "max_query_len": int(md.max_query_len),
-            "max_seq_len": int(md.max_seq_len),
-            "causal": bool(causal) if not hasattr(causal, "shape") else True,
-            "sliding_window": tuple(int(w) for w in window) if window is not None else None,
-            "logits_soft_cap": float(getattr(impl, "logits_soft_cap", 0) or 0),
-            "scale": float(impl.scale),
-            "use_cascade": bool(getattr(md, "use_cascade", False)),
-            "num_splits": int(getattr(md, "max_num_splits", 0) or 0),
-            "num_heads": int(impl.num_heads),
-            "num_kv_heads": int(impl.num_kv_heads),
-            "head_size": int(impl.head_size),
-            "cudagraph": cudagraph,
-            "padded_tokens": padded if padded is not None else num_tokens,
-        }
+            host = hosts[id(md)] = queue_host_copies(slot, md, num_reqs, num_tokens, cols)
+        metadata = step_fields(static, md, num_tokens, cudagraph, padded)
         scales = None
         if static.scales is None or getattr(static.module, "calculate_kv_scales", False):
             scales = capture_scales(static.module)

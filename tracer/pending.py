@@ -46,6 +46,7 @@ class LayerStatic:
     alibi_slopes: tuple[float, ...] | None = None
     sinks: tuple[float, ...] | None = None
     floats_read: bool = False
+    fields: dict[str, Any] | None = None  #: the record fields no step changes (``tracer.capture``)
 
     @property
     def block_size(self) -> int:

@@ -1,0 +1,149 @@
+"""The wrappers the tracer installs around vLLM's functions, one factory per kind.
+
+Each factory takes the :class:`tracer.hooks.Tracer` and the original function and returns
+the wrapper ``Tracer._install`` sets in its place; the wrappers only keep references and
+call back into the tracer, which decides what to record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import TYPE_CHECKING
+
+from tracer.runtime import capturing
+
+if TYPE_CHECKING:
+    from tracer.hooks import Tracer
+
+__all__ = ["dispatch", "forward", "forward_context", "kv_update", "runner"]
+
+
+def graph_mode(mode: object) -> str:
+    """vLLM's ``CUDAGraphMode`` (or None) as ``StepRecord.cudagraph``."""
+    name = str(getattr(mode, "name", mode or "NONE")).lower()
+    return name if name in ("none", "piecewise", "full") else "none"
+
+
+def runner(tracer: Tracer, method: str):
+    """A wrapper factory for one model-runner method: numbers steps, tells their kinds apart."""
+    phase: str | None = {
+        "execute_model": "request",
+        "profile_run": "profile",
+        "capture_model": "warmup",
+        "_dummy_run": "warmup",
+        "prepare_inputs": None,
+    }[method]
+    counts_step = method in ("execute_model", "_dummy_run")
+
+    def make(original):
+        if method == "prepare_inputs":
+            # V2 runner: rows are sorted here, so take the request ids from its batch.
+            @functools.wraps(original)
+            def prepare_inputs(runner, *args, **kwargs):
+                batch = original(runner, *args, **kwargs)
+                ids = getattr(batch, "req_ids", None)
+                if ids is not None:
+                    tracer._v2_req_ids = tuple(ids)
+                return batch
+
+            return prepare_inputs
+
+        @functools.wraps(original)
+        def wrapper(runner, *args, **kwargs):
+            tracer._runner = runner
+            tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
+            tracer._sink.vllm_config = tracer._vllm_config
+            outer = tracer._phase[-1] if tracer._phase else None
+            # Nested calls belong to the outer step: the V2 runner's _dummy_run calls
+            # execute_model, profile_run and capture_model call _dummy_run, and the V1
+            # runner pads data-parallel steps with a _dummy_run inside execute_model.
+            nested = outer is not None and (tracer._depth > 0 or method == "_dummy_run")
+            effective = outer if nested else phase
+            assert effective is not None  # prepare_inputs has its own wrapper above
+            new_step = counts_step and tracer._depth == 0
+            if new_step:
+                tracer._begin_step()
+            capture = method == "capture_model"
+            if capture:
+                # The writer thread must stay off the device while graphs are captured (vLLM
+                # captures in global mode: any thread's sync or copy aborts the capture). Let it
+                # finish what it holds; passes inside capture_model make no copies.
+                tracer.drain()
+                tracer._in_capture += 1
+            tracer._phase.append(effective)
+            tracer._depth += counts_step
+            try:
+                return original(runner, *args, **kwargs)
+            finally:
+                tracer._in_capture -= capture
+                tracer._depth -= counts_step
+                tracer._phase.pop()
+                if new_step:
+                    tracer._end_step(method, effective, runner, args, kwargs)
+
+        return wrapper
+
+    return make
+
+
+def forward_context(tracer: Tracer, original):
+    """``set_forward_context``: keep a request step's metadata, graph mode and padded size."""
+
+    @functools.wraps(original)
+    def set_forward_context(attn_metadata, *args, **kwargs):
+        if tracer._depth == 1 and tracer._phase == ["request"]:
+            desc = kwargs.get("batch_descriptor")
+            padded = getattr(desc, "num_tokens", None) or kwargs.get("num_tokens")
+            tracer._fc = (attn_metadata, graph_mode(kwargs.get("cudagraph_runtime_mode")), padded)
+        return original(attn_metadata, *args, **kwargs)
+
+    return set_forward_context
+
+
+def dispatch(tracer: Tracer, original):
+    """The V2 runner's ``dispatch_cg_and_sync_dp``: which graph a step replays, at what size."""
+
+    @functools.wraps(original)
+    def dispatch_cg_and_sync_dp(*args, **kwargs):
+        result = original(*args, **kwargs)
+        with contextlib.suppress(Exception):  # an unexpected shape: the step just lacks the graph
+            desc = result[0]
+            tracer._dispatch = (graph_mode(desc.cg_mode), int(desc.num_tokens))
+        return result
+
+    return dispatch_cg_and_sync_dp
+
+
+def kv_update(tracer: Tracer, original):
+    """``do_kv_cache_update``: keep what a wanted layer wrote (slot mapping; key/value for tensors)."""
+
+    @functools.wraps(original)
+    def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
+        result = original(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
+        name = getattr(layer, "layer_name", "")
+        if tracer._kind() == "request" and tracer._wants(name) and not capturing():
+            n = slot_mapping.shape[0]
+            entry = {"slot_mapping": slot_mapping.detach().clone()}
+            if tracer._wants_tensors():
+                entry["key"] = key[:n].detach().clone()
+                entry["value"] = value[:n].detach().clone()
+            tracer._kv_inputs[name] = entry
+        return result
+
+    return do_kv_cache_update
+
+
+def forward(tracer: Tracer, original):
+    """``forward``: after attention ran, let the tracer look at its inputs and output."""
+
+    @functools.wraps(original)
+    def forward(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = original(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        try:
+            tracer._on_forward(impl, layer, query, kv_cache, attn_metadata, output)
+        except Exception as exc:  # noqa: BLE001 - the engine must run on
+            tracer._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
+        return result
+
+    return forward
