@@ -116,19 +116,24 @@ def dispatch(tracer: Tracer, original):
 
 
 def kv_update(tracer: Tracer, original):
-    """``do_kv_cache_update``: keep what a wanted layer wrote (slot mapping; key/value for tensors)."""
+    """``do_kv_cache_update``: for a tensor step, keep what a wanted layer wrote, and where.
+
+    ``forward`` runs right after, on the same stream, and gathers the written entries through
+    this ``slot_mapping`` at once: a reference is enough. ``key``/``value`` are cloned: the
+    writer thread copies them later.
+    """
 
     @functools.wraps(original)
     def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
         result = original(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
         name = getattr(layer, "layer_name", "")
-        if tracer._kind() == "request" and tracer._wants(name) and not capturing():
+        if tracer._kind() == "request" and tracer._wants(name) and tracer._wants_tensors() and not capturing():
             n = slot_mapping.shape[0]
-            entry = {"slot_mapping": slot_mapping.detach().clone()}
-            if tracer._wants_tensors():
-                entry["key"] = key[:n].detach().clone()
-                entry["value"] = value[:n].detach().clone()
-            tracer._kv_inputs[name] = entry
+            tracer._kv_inputs[name] = {
+                "slot_mapping": slot_mapping,
+                "key": key[:n].detach().clone(),
+                "value": value[:n].detach().clone(),
+            }
         return result
 
     return do_kv_cache_update
