@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,20 @@ def test_kv_layout_of_names_a_stored_registry_layout():
     assert names == ["flash_nhd", "flash_hnd", "cpu", "cpu_amx"]
     assert set(names) <= set(STORED_LAYOUTS)
     assert hooks.TracerOptions is TracerOptions  # still importable where the rooms import it
+
+
+def test_a_tensor_session_in_a_full_graph_mode_runs_piecewise_and_says_so(tmp_path, caplog):
+    from tracer.session import SessionConfig, graph_mode_for
+
+    base = SessionConfig(trace_dir=str(tmp_path), enforce_eager=False)
+    with caplog.at_level("WARNING", logger="pagedtrace"):
+        assert graph_mode_for(replace(base, cudagraph_mode="FULL_AND_PIECEWISE")) == "PIECEWISE"
+    assert [r.getMessage() for r in caplog.records] == [
+        "pagedtrace: tensors are not captured inside full CUDA graphs; running FULL_AND_PIECEWISE as PIECEWISE "
+        "(--no-tensors keeps FULL_AND_PIECEWISE and records metadata for every step)"
+    ]
+    caplog.clear()
+    assert graph_mode_for(replace(base, cudagraph_mode="FULL_AND_PIECEWISE", tensors=False)) == "FULL_AND_PIECEWISE"
+    assert graph_mode_for(replace(base, cudagraph_mode="PIECEWISE")) == "PIECEWISE"
+    assert graph_mode_for(replace(base, cudagraph_mode="FULL", trace=False)) == "FULL"
+    assert not caplog.records
