@@ -11,7 +11,7 @@ from annotations.values import fmt_list
 from reports.common import Row, Verdict, first_records, range_text, source_file_page, step_page
 from reports.layout_view import LayoutView, layout_view
 from reports.verdicts import ReplayData, step_verdict
-from tracer.format import GapRecord, KVCacheSpec, Trace
+from tracer.format import GapRecord, KVCacheSpec, StepRecord, Trace
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class StepRow:
     href: str  #: step page, "" when none was written
     label: str  #: the step number, or a range of consecutive gap steps with one reason (``1–12``)
     count: int = 1  #: steps the row stands for (more than 1 for a run of gaps)
+    graph: str = ""  #: how the step ran (format 3): ``full graph (padded to 4)``, ``piecewise``, ``eager``
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,18 @@ class IndexPage:
     replay_origin: str = ""  #: where the verdicts come from ("" when there are none)
     unrecorded: tuple[UnrecordedStep, ...] = ()  #: step numbers with no record and no gap
     unrecorded_why: str = UNRECORDED_WHY
+    show_graph: bool = False  #: the trace records how each step ran (format 3): a CUDA-graph column
+
+
+def graph_text(record: StepRecord) -> str:
+    """``StepRecord.cudagraph`` for the step list; "" when the trace does not record it."""
+    if record.cudagraph is None:
+        return ""
+    padded = record.padded_tokens
+    pad = f" (padded to {padded})" if padded is not None and padded != record.num_actual_tokens else ""
+    return {"full": "full graph", "piecewise": "piecewise", "none": "eager"}.get(
+        record.cudagraph, record.cudagraph
+    ) + pad
 
 
 def _short(values: tuple[int, ...], limit: int = 6) -> str:
@@ -316,6 +329,7 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
                 step_verdict(replay.by_step.get(r.step, [])),
                 step_page(r.step) if r.step in paged else "",
                 str(r.step),
+                graph=graph_text(r),
             )
         )
     rows += _gap_rows(list(trace.gaps))
@@ -370,4 +384,5 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
         pages_note=pages_note,
         replay_origin=replay.origin if replay.present else "",
         unrecorded=unrecorded,
+        show_graph=any(r.cudagraph is not None for r in trace.records),
     )

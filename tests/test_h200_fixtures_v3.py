@@ -105,3 +105,15 @@ def test_show_says_how_each_step_ran_and_that_tensors_are_a_write_log():
     fp8 = summarize(_open("h200-llama3.1-8b-fp8-writelog"))
     assert fp8.write_log_records == fp8.records_with_tensors > fp8.check_records == 3
     assert summarize(_open("h200-qwen2.5-7b-default")).steps_by_graph == {}  # format 1: not recorded
+
+
+def test_the_report_says_which_steps_ran_as_full_graphs():
+    from reports.build import render_site
+    from reports.viewmodel import build_site
+
+    index = render_site(build_site(_open("h200-qwen2.5-7b-default-v3")))["index.html"]
+    assert "<th>CUDA graph</th>" in index
+    # 15 decode steps as full graphs; eager: the prefill and the V2 runner's two warm-up passes
+    assert index.count("<td>full graph</td>") == 15 and index.count("<td>eager</td>") == 3
+    old = render_site(build_site(_open("h200-qwen2.5-7b-default")))["index.html"]
+    assert "<th>CUDA graph</th>" not in old  # format 1 did not record it
