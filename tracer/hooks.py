@@ -370,10 +370,7 @@ class Tracer:
         tensors: dict[str, Any] | None = None,
     ) -> None:
         """Queue one layer's record of this step into the slot (host copies, no sync)."""
-        slot = self._slot
-        if slot is None:
-            slot = self._slot = self._pool.acquire()
-            slot.payload = {"captures": [], "hosts": {}, "gaps": []}
+        slot = self._step_slot()
         hosts = slot.payload["hosts"]
         host = hosts.get(id(md))  # the layers of one KV-cache group share their metadata
         if host is None:
@@ -502,11 +499,15 @@ class Tracer:
         if slot is not None:
             self._pool.release(slot)
 
+    def _step_slot(self) -> Slot:
+        """This step's ring slot, taken on its first record (waits while every slot is in flight)."""
+        if self._slot is None:
+            self._slot = self._pool.acquire()
+            self._slot.payload = {"captures": [], "hosts": {}}
+        return self._slot
+
     def _record_gap(self, kind: str, reason: str, num_tokens: int) -> None:
-        slot = self._slot
-        if slot is None:
-            slot = self._slot = self._pool.acquire()
-            slot.payload = {"captures": [], "hosts": {}, "gaps": []}
+        slot = self._step_slot()
         slot.payload["captures"].append(GapRecord(step=self.step, kind=kind, reason=reason, num_tokens=num_tokens))
 
     def _on_writer_error(self, exc: BaseException) -> None:
