@@ -134,3 +134,66 @@ def test_a_tensor_session_in_a_full_graph_mode_runs_piecewise_and_says_so(tmp_pa
     assert graph_mode_for(replace(base, cudagraph_mode="PIECEWISE")) == "PIECEWISE"
     assert graph_mode_for(replace(base, cudagraph_mode="FULL", trace=False)) == "FULL"
     assert not caplog.records
+
+
+def _fake_step_engine(tmp_path):
+    """A tracer with its writer thread, and a V2-like runner whose one step replayed a padded full graph.
+
+    Three requests padded to four rows (the padded row has seq_len 0 and slot -1), as vLLM's V2
+    runner leaves them in ``execute_model_state.attn_metadata`` when it replays a full CUDA graph
+    without calling ``set_forward_context`` or ``forward``.
+    """
+    import types
+
+    import torch
+
+    from tracer.ring import WriterThread
+
+    t = Tracer(TracerOptions(str(tmp_path / "trace"), layers=(0,)))
+    t._thread = WriterThread(t._pool, t._sink.handle_slot, t._on_writer_error)
+    impl = types.SimpleNamespace(
+        alibi_slopes=None, sinks=None, scale=0.125, num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0
+    )
+    name = "model.layers.0.self_attn.attn"
+    module = types.SimpleNamespace(impl=impl, kv_cache=[torch.zeros(10, 2, 4, 16, dtype=torch.bfloat16)])
+    cfg = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(static_forward_context={name: module}), model_config=None
+    )
+    md = types.SimpleNamespace(
+        num_actual_tokens=4,
+        seq_lens=torch.tensor([5, 9, 3, 0], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32),
+        block_table=torch.tensor([[1, 2, 0, 0], [3, 4, 5, 0], [6, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.int32),
+        slot_mapping=torch.tensor([8, 20, 26, -1]),
+        max_query_len=1,
+        max_seq_len=9,
+    )
+    runner = types.SimpleNamespace(vllm_config=cfg, execute_model_state=types.SimpleNamespace(attn_metadata={name: md}))
+    t._vllm_config = t._sink.vllm_config = cfg
+    t._runner = runner
+    sched = types.SimpleNamespace(total_num_scheduled_tokens=3, num_scheduled_tokens={"a": 1, "b": 1, "c": 1})
+    return t, runner, sched, md
+
+
+@pytest.mark.parametrize("path", ["v2-full-graph", "v1-forward-context"])
+def test_a_step_no_forward_saw_is_recorded_from_the_runner(tmp_path, path):
+    from tracer.format import Trace
+
+    t, runner, sched, md = _fake_step_engine(tmp_path)
+    t._phase, t._depth = ["request"], 1
+    t._begin_step()
+    t._v2_req_ids = ("a", "b", "c")
+    if path == "v2-full-graph":
+        t._dispatch = ("full", 4)  # what dispatch_cg_and_sync_dp chose
+    else:
+        runner.execute_model_state = None
+        t._fc = ({"model.layers.0.self_attn.attn": md}, "piecewise", 4)  # what set_forward_context was given
+    t._end_request_step(runner, (sched,), {})
+    t._submit_slot()
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is None
+    (rec,) = Trace.open(tmp_path / "trace").records
+    assert rec.cudagraph == ("full" if path == "v2-full-graph" else "piecewise") and rec.padded_tokens == 4
+    assert (rec.num_actual_tokens, rec.request_ids, rec.seq_lens) == (3, ("a", "b", "c"), (5, 9, 3))
+    assert rec.block_table == ((1, 2), (3, 4, 5), (6,)) and rec.slot_mapping == (8, 20, 26)  # padding dropped
