@@ -17,22 +17,13 @@
 set -uo pipefail
 OUT=${1:?usage: h200-fixtures.sh OUTDIR}
 ONLY=${ONLY:-}  # space-separated names to run a subset
-mkdir -p "$OUT/work"
-pip install -q --no-deps --no-build-isolation --target /tmp/vllm-site . >"$OUT/work/pip.log" 2>&1 || cat "$OUT/work/pip.log"
-export PYTHONPATH="/tmp/vllm-site:$PWD:${PYTHONPATH:-}"
-export VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG="$OUT/fixtures.log"
+H200_GREP="Using FlashAttention|FLASH_ATTN|fp8|sliding|Traceback|Error|error"
+source scripts/h200-common.sh
+h200_prepare
 run() {  # name, args...
-  local name=$1; shift
-  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-  local t0=$(date +%s) d="$OUT/work/$name"
-  timeout "${RUN_TIMEOUT:-240}" python3 scripts/pagedtrace_run.py run -o "$d" --seed 0 --max-model-len 2048 "$@" >"$OUT/work/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s: $*" | tee -a "$LOG"
-  grep -E "Using FlashAttention|FLASH_ATTN|fp8|sliding|Traceback|Error|error" "$OUT/work/$name.log" | grep -v "^ " | head -8 >>"$LOG"
-  [ $rc = 0 ] || tail -25 "$OUT/work/$name.log" >>"$LOG"
-  if [ -f "$d/manifest.json" ]; then
-    cp "$OUT/work/$name.log" "$d/engine.log"
+  local name=$1 d="$OUT/work/$1"
+  h200_run "$@" || return
     tar -C "$OUT/work" -cf "$OUT/$name.tar" "$name"  # now: a later run past the limit loses only itself
     python3 - "$d" >>"$LOG" 2>&1 <<'PY'
 import sys
@@ -52,7 +43,6 @@ for r in t.steps(kind="request")[:8]:
           "window", r.sliding_window, "softcap", r.logits_soft_cap, "scale", round(r.scale, 5),
           "q/k/v", r.q_scale, r.k_scale, r.v_scale, r.query_dtype, "tensors", bool(r.tensors))
 PY
-  fi
 }
 small=(--model qwen2.5-7b-instruct --shared-prefix 32 --prompt-len 8:24)
 # FA2 PIECEWISE first: its device replay answers the issue's open question.

@@ -11,22 +11,13 @@
 set -uo pipefail
 OUT=${1:?usage: h200-v3.sh OUTDIR}
 ONLY=${ONLY:-}
-mkdir -p "$OUT/work"
-pip install -q --no-deps --no-build-isolation --target /tmp/vllm-site . >"$OUT/work/pip.log" 2>&1 || cat "$OUT/work/pip.log"
-export PYTHONPATH="/tmp/vllm-site:$PWD:${PYTHONPATH:-}"
-export VLLM_ENABLE_V1_MULTIPROCESSING=0
 LOG="$OUT/v3.log"
+H200_GREP="pagedtrace:|Traceback|Error"
+source scripts/h200-common.sh
+h200_prepare
 run() {  # name, args...
-  local name=$1; shift
-  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-  local t0=$(date +%s) d="$OUT/work/$name"
-  timeout "${RUN_TIMEOUT:-240}" python3 scripts/pagedtrace_run.py run -o "$d" --seed 0 --max-model-len 2048 "$@" >"$OUT/work/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc in $(( $(date +%s) - t0 )) s: $*" | tee -a "$LOG"
-  grep -E "pagedtrace:|Traceback|Error" "$OUT/work/$name.log" | grep -v "^ " | head -8 >>"$LOG"
-  [ $rc = 0 ] || tail -25 "$OUT/work/$name.log" >>"$LOG"
-  if [ -f "$d/manifest.json" ]; then
-    cp "$OUT/work/$name.log" "$d/engine.log"
+  local name=$1 d="$OUT/work/$1"
+  h200_run "$@" || return
     python3 - "$d" >>"$LOG" 2>&1 <<'PY'
 import collections, sys
 from tracer.format import Trace
@@ -55,7 +46,6 @@ except Exception as exc:
     print(" replay error", repr(exc))
 PY
     tar -C "$OUT/work" -cf "$OUT/$name.tar" "$name"
-  fi
 }
 run qwen2.5-7b-default-v3 --model qwen2.5-7b-instruct --prompts 4 --shared-prefix 32 --prompt-len 8:40 \
   --max-tokens 16 --layers 0,27 --no-tensors --cudagraph-mode FULL_AND_PIECEWISE
