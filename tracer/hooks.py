@@ -111,6 +111,7 @@ class Tracer:
         self._runner: Any = None
         self._vllm_config: Any = None
         self._static: dict[str, LayerStatic] = {}
+        self._layer_wanted: dict[str, bool] = {}  # layer name -> in ``options.layers``
         self._kv_inputs: dict[str, dict[str, Any]] = {}
         self._pool = SlotPool(ring_slots)
         self._ring_slots = ring_slots
@@ -261,7 +262,10 @@ class Tracer:
             if self._layer_locked is None:
                 return True  # decided when a layer is first recorded
             return layer_name == self._layer_locked
-        return layer_matches(layer_name, sel)
+        wanted = self._layer_wanted.get(layer_name)
+        if wanted is None:  # asked for every layer of every step: match each name once
+            wanted = self._layer_wanted[layer_name] = layer_matches(layer_name, sel)
+        return wanted
 
     def _wants_tensors(self) -> bool:
         if not (self.options.tensors and self._kind() == "request"):
@@ -305,6 +309,21 @@ class Tracer:
 
     def _on_forward(self, impl, layer, query, kv_cache, attn_metadata, output) -> None:
         name = getattr(layer, "layer_name", "") or f"layer{id(layer)}"
+        if self._depth == 1 and self._phase[-1] == "request" and attn_metadata is not None:
+            # A request step, recorded when the runner's step ends; forward adds the query's dtype
+            # and the tensors. Every layer passes here each step: layers not traced return at once.
+            self._model_ran = True
+            if not self._wants(name):
+                return
+            if self.options.layers == "first" and self._layer_locked is None:
+                self._layer_locked = name
+            static = self._static_of(name, impl, layer, kv_cache)
+            assert static is not None
+            static.query_dtype = dtype_name(query)
+            self._fwd_md[name] = attn_metadata
+            if self._wants_tensors():
+                self._capture_tensors(static, query, attn_metadata, output)
+            return
         static = self._static_of(name, impl, layer, kv_cache)
         if static is not None:
             static.query_dtype = dtype_name(query)
@@ -341,12 +360,6 @@ class Tracer:
                 self._record_gap(self._kind(), why, int(attn_metadata.num_actual_tokens))
             return
         assert static is not None
-        if self._kind() == "request" and self._depth == 1:
-            # Recorded when the runner's step ends; forward adds the tensors.
-            self._fwd_md[name] = attn_metadata
-            if self._wants_tensors():
-                self._capture_tensors(static, query, attn_metadata, output)
-            return
         md = attn_metadata
         num_reqs = int(md.seq_lens.shape[0])
         self._capture(static, md, num_reqs, int(md.num_actual_tokens), self._req_ids(num_reqs), "none", None)

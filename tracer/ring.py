@@ -25,6 +25,9 @@ __all__ = ["Slot", "SlotPool", "WriterThread"]
 
 logger = logging.getLogger("pagedtrace")
 
+#: A slot buffer's first size is at most this many elements (unless the step needs more).
+MAX_BUFFER_ELEMENTS = 4 * 2**20
+
 
 @dataclass
 class Slot:
@@ -46,8 +49,12 @@ class Slot:
         n = src.numel()
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < n or buf.dtype != src.dtype:
-            pin = src.is_cuda
-            buf = torch.empty(max(n, 64) * (2 if buf is not None else 1), dtype=src.dtype, pin_memory=pin)
+            # Pinned allocations are slow (page locking, on the step's thread): size the buffer once,
+            # for the persistent runner buffer ``src`` is a view of (at most 4 Mi elements), then
+            # double it should a step ever need more.
+            whole = src.untyped_storage().nbytes() // max(src.element_size(), 1)
+            size = max(n, min(whole, MAX_BUFFER_ELEMENTS), 64) if buf is None else 2 * n
+            buf = torch.empty(size, dtype=src.dtype, pin_memory=src.is_cuda)
             self.buffers[name] = buf
         view = buf[:n].view(src.shape)
         view.copy_(src, non_blocking=src.is_cuda)

@@ -127,7 +127,7 @@ def kv_update(tracer: Tracer, original):
     def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
         result = original(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
         name = getattr(layer, "layer_name", "")
-        if tracer._kind() == "request" and tracer._wants(name) and tracer._wants_tensors() and not capturing():
+        if tracer._wants_tensors() and tracer._wants(name) and not capturing():
             n = slot_mapping.shape[0]
             tracer._kv_inputs[name] = {
                 "slot_mapping": slot_mapping,
