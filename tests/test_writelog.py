@@ -68,6 +68,17 @@ def test_device_bytes_in_flight_are_capped():
     assert got and pool.waits == 1
 
 
+def test_a_slot_buffer_is_sized_once_for_the_runner_buffer_it_copies_from():
+    persistent = torch.arange(1000, dtype=torch.int32)  # like the runner's slot_mapping buffer
+    slot = Slot(0)
+    assert slot.host("sm", persistent[:3]).tolist() == [0, 1, 2]
+    buffer = slot.buffers["sm"]
+    assert buffer.numel() == 1000  # room for any step this buffer feeds
+    assert slot.host("sm", persistent[:900]).tolist() == list(range(900))
+    assert slot.buffers["sm"] is buffer  # no new allocation on the step
+    assert slot.host("sm", torch.arange(1500, dtype=torch.int32)).shape == (1500,)  # more: it grows
+
+
 # -- the write-log plan --------------------------------------------------------------------
 
 
