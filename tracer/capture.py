@@ -9,20 +9,19 @@ the backend's window) are read once into its ``LayerStatic``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from tracer.manifest import kv_layout_of
 from tracer.pending import LayerStatic
 from tracer.ring import Slot
-from tracer.writelog import clone_read_blocks, gather_written, geometry_of
+from tracer.writelog import clone_read_blocks, columns_read, gather_written, geometry_of
 
 __all__ = ["queue_host_copies", "read_columns", "step_fields", "tensor_clones"]
 
 
 def read_columns(md: Any, block_size: int) -> int:
-    """Block-table columns a step reads: ``ceil(max_seq_len / block_size)``, at most the table's width."""
-    return min(int(md.block_table.shape[1]), max(1, math.ceil(int(md.max_seq_len) / block_size)))
+    """Block-table columns the step of ``md`` reads (the same columns ``clone_read_blocks`` copies)."""
+    return columns_read(md.block_table, int(md.max_seq_len), block_size)
 
 
 def queue_host_copies(slot: Slot, md: Any, num_reqs: int, num_tokens: int, cols: int) -> dict[str, Any]:

@@ -129,7 +129,6 @@ class WriterThread:
         self._queue: queue.Queue[Slot | None] = queue.Queue()
         self._failed = False
         self.throttle = throttle
-        self.handled = 0
         self._thread = threading.Thread(target=self._run, name="pagedtrace-writer", daemon=True)
         self._thread.start()
 
@@ -160,7 +159,6 @@ class WriterThread:
                         if slot.event is not None:
                             slot.event.synchronize()
                         self._handle(slot)
-                        self.handled += 1
                     except BaseException as exc:  # noqa: BLE001 - the engine must run on
                         self._failed = True
                         self._on_error(exc)

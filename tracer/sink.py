@@ -74,10 +74,8 @@ class TraceSink:
             if item.scales is not None and not getattr(item.static.module, "calculate_kv_scales", False):
                 item.static.scales = {k: getattr(record, k) for k in ("q_scale", "k_scale", "v_scale")}
             tensors = None
-            if item.tensors is not None:
+            if item.tensors is not None:  # an unlogged write before it came with item.reset (hooks._end_pass)
                 record, tensors = self.log_tensors(item, record)
-            elif item.kind == "request":
-                self.log.invalidate(item.layer)  # its cache was written without a log entry
             self.write(record, tensors, item)
             self.stats["records"] += 1
 

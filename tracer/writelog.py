@@ -23,7 +23,7 @@ from typing import Any
 
 from tracer.format.layouts import token_elements
 
-__all__ = ["LayerGeometry", "WriteLog", "clone_read_blocks", "gather_written", "geometry_of"]
+__all__ = ["LayerGeometry", "WriteLog", "clone_read_blocks", "columns_read", "gather_written", "geometry_of"]
 
 
 @dataclass
@@ -77,6 +77,11 @@ def gather_written(geom: LayerGeometry, slot_mapping: Any, dtype: Any) -> Any:
     return values.view(dtype).reshape(-1, 2, geom.num_kv_heads, geom.head_size)
 
 
+def columns_read(block_table: Any, max_seq_len: int, block_size: int) -> int:
+    """Block-table columns a step reads: ``ceil(max_seq_len / block_size)``, at most the table's width."""
+    return min(int(block_table.shape[1]), max(1, math.ceil(max_seq_len / block_size)))
+
+
 def clone_read_blocks(kv_cache: Any, block_table: Any, num_reqs: int, max_seq_len: int) -> Any:
     """``[num_reqs * cols, H_kv, bs, 2*D]``: every block the step's table rows name, copied on the device.
 
@@ -84,8 +89,7 @@ def clone_read_blocks(kv_cache: Any, block_table: Any, num_reqs: int, max_seq_le
     into the pool (a row's unused tail may hold anything); the writer thread reads the real
     ids from the host copy of the table and picks the rows it needs.
     """
-    bs = int(kv_cache.shape[2])
-    cols = min(int(block_table.shape[1]), max(1, math.ceil(max_seq_len / bs)))  # as hooks.read_columns
+    cols = columns_read(block_table, max_seq_len, int(kv_cache.shape[2]))
     ids = block_table[:num_reqs, :cols].reshape(-1).long().clamp(0, int(kv_cache.shape[0]) - 1)
     return kv_cache.index_select(0, ids), cols
 
