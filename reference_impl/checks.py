@@ -119,6 +119,12 @@ def check_write_path(
     )
 
 
+#: How far the rerun over the round-tripped caches may drift from the direct fp64 result, relative
+#: to the largest |output|: the caches are equal bit for bit, but a CPU BLAS may sum in another order
+#: for buffers at other addresses. A layout bug moves values by O(1), not by 1e-9.
+LEGACY_RERUN_RTOL = 1e-6
+
+
 def check_legacy_path(
     record: StepRecord,
     key_cache: torch.Tensor,
@@ -158,4 +164,7 @@ def check_legacy_path(
         **KernelOptions.from_step(record, spec).kwargs(),
     )
     diff = float((out - expected).abs().max()) if out.numel() else 0.0
-    return LegacyCheck(step=record.step, layer=record.layer, ok=bool(torch.equal(out, expected)), max_abs=diff, x=x)
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    exact = torch.equal(key_back, key_cache) and torch.equal(value_back, value_cache)
+    ok = exact and diff <= LEGACY_RERUN_RTOL * max(scale, 1.0)
+    return LegacyCheck(step=record.step, layer=record.layer, ok=ok, max_abs=diff, x=x)

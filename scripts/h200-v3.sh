@@ -8,6 +8,10 @@
 #   gemma2-default-v3        gemma-2-9b preset (two KV-cache groups: window and full), default mode, metadata
 #   qwen2.5-7b-writelog      PIECEWISE, tensors for layer 0 as a write log, whole blocks every 3rd step
 #   llama3.1-8b-fp8-writelog PIECEWISE, fp8 KV cache, write log for layer 0, check every 2nd step
+#   qwen2.5-7b-default-tensors  default FULL_AND_PIECEWISE, tensors for layers 0 and 27 inside the full
+#                            graphs (tracer.staging), whole blocks every 3rd step
+#   gemma2-default-tensors   gemma-2-9b (soft-cap, window and full layers), default mode, tensors of layers 0, 1
+#   llama3.1-8b-fp8-default-tensors  fp8 KV cache, default mode, tensors of layer 0, check every 2nd step
 set -uo pipefail
 OUT=${1:?usage: h200-v3.sh OUTDIR}
 ONLY=${ONLY:-}
@@ -55,6 +59,12 @@ run qwen2.5-7b-writelog --model qwen2.5-7b-instruct --prompts 3 --shared-prefix 
   --max-tokens 8 --layers 0 --kv-check-every 3 --budget-mb 12 --cudagraph-mode PIECEWISE
 run llama3.1-8b-fp8-writelog --model llama-3.1-8b --prompts 2 --shared-prefix 32 --prompt-len 8:24 \
   --max-tokens 6 --layers 0 --kv-cache-dtype fp8 --kv-check-every 2 --budget-mb 8 --cudagraph-mode PIECEWISE
+run qwen2.5-7b-default-tensors --model qwen2.5-7b-instruct --prompts 4 --shared-prefix 32 --prompt-len 8:40 \
+  --max-tokens 16 --layers 0,27 --kv-check-every 3 --budget-mb 24 --cudagraph-mode FULL_AND_PIECEWISE
+run gemma2-default-tensors --model gemma-2-9b --prompts 3 --shared-prefix 16 --prompt-len 8:60 --max-tokens 8 \
+  --layers 0,1 --kv-check-every 3 --budget-mb 24 --cudagraph-mode FULL_AND_PIECEWISE
+run llama3.1-8b-fp8-default-tensors --model llama-3.1-8b --prompts 2 --shared-prefix 32 --prompt-len 8:24 \
+  --max-tokens 8 --layers 0 --kv-cache-dtype fp8 --kv-check-every 2 --budget-mb 12 --cudagraph-mode FULL_AND_PIECEWISE
 if [ -z "$ONLY" ] || [[ " $ONLY " == *" attach "* ]]; then
   timeout 240 python3 scripts/h200_writelog_check.py "$OUT/work/attach" >"$OUT/work/attach.log" 2>&1
   echo "== attach (PIECEWISE, write log after a prefix-cache fill): exit $?" | tee -a "$LOG"

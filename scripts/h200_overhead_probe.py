@@ -1,11 +1,21 @@
-"""Where the tracer's PIECEWISE overhead goes: one engine, the benchmark's workload, tracer variants.
+"""Where the tracer's overhead goes: one engine, the benchmark's workload, tracer variants interleaved.
 
-One engine (qwen2.5-7b-instruct preset, PIECEWISE), then, each on the same 3 batches: untraced;
-the metadata tracer; the same with the backend hooks (forward / do_kv_cache_update) taken out;
-the same with the writer thread doing nothing; untraced again; and one traced batch under
-cProfile (main thread) with the writer's time summed. Prints seconds per variant.
+One engine (qwen2.5-7b-instruct preset, ``--mode`` PIECEWISE or FULL_AND_PIECEWISE, prefix
+caching off so passes do not feed each other), then ``--rounds`` rounds; each round runs
+every variant once on the same 3 batches (fresh prompts per round), in an order rotated per
+round so drift cancels. Variants:
 
-    python3 scripts/h200_overhead_probe.py [--mode PIECEWISE] [--model qwen2.5-7b-instruct]
+* ``untraced``
+* ``metadata``        the metadata tracer (writer waits on blocking CUDA events)
+* ``metadata-spin``   the same, events busy-waited (``PAGEDTRACE_EVENT_WAIT=spin``; the old tracer)
+* ``runner-off``      the wrappers only: the runner-level capture of each step does nothing
+* ``tensors-l0``      tensors for layer 0 (in a full-graph mode the copies were captured by a
+                      tracer started before the engine, then stopped: ``tracer.staging``)
+
+Prints each variant's median seconds and its ratio to the untraced median, whether greedy
+tokens matched the untraced pass of the round, and a cProfile of one metadata pass.
+
+    python3 scripts/h200_overhead_probe.py [--mode PIECEWISE] [--rounds 3] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -13,13 +23,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+VARIANTS = ("untraced", "metadata", "metadata-spin", "runner-off", "tensors-l0")
 
 
 def main() -> None:
@@ -28,90 +42,123 @@ def main() -> None:
     ap.add_argument("--mode", default="PIECEWISE")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", default="")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
     import tracer
     from tracer.loader import register_loader
     from tracer.session import SessionConfig, make_prompts, resolve_model
 
     register_loader()
     model_path, load_format, vocab, _ = resolve_model(args.model, Path(tempfile.mkdtemp()))
+    full = "FULL" in args.mode.upper()
+    # In a full-graph mode the layer-0 copies must be captured with the graphs: a tracer with
+    # tensors runs through engine start-up (it is stopped before the first timed pass).
+    capture_tracer = tracer.start(tempfile.mkdtemp(), layers=(0,), tensors=True, export_env=False) if full else None
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kwargs: dict = dict(
+    llm = LLM(
         model=model_path,
         load_format=load_format,
         skip_tokenizer_init=True,
         seed=0,
-        max_model_len=4096 if args.mode != "NONE" else 1024,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=0.85,
+        enable_prefix_caching=False,
+        compilation_config={"cudagraph_mode": args.mode},
     )
-    if args.mode == "NONE":
-        kwargs.update(enforce_eager=True, block_size=32)
-    else:
-        kwargs.update(gpu_memory_utilization=0.85, compilation_config={"cudagraph_mode": args.mode})
-    llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
-    batches = [
-        [
-            TokensPrompt(prompt_token_ids=p)
-            for p in make_prompts(
-                SessionConfig(trace_dir="", num_prompts=args.prompts, prompt_len=(200, 300), shared_prefix=64, seed=s),
-                vocab,
+
+    def batches(round_: int) -> list[list]:
+        out = []
+        for s in (1, 2, 3):
+            cfg = SessionConfig(
+                trace_dir="",
+                num_prompts=args.prompts,
+                prompt_len=(200, 300),
+                shared_prefix=64,
+                seed=100 * round_ + s,
             )
-        ]
-        for s in (1, 2, 3)
-    ]
-    llm.generate(batches[0][:2], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
+            out.append([TokensPrompt(prompt_token_ids=p) for p in make_prompts(cfg, vocab)])
+        return out
 
-    def timed() -> float:
+    llm.generate(batches(99)[0][:4], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
+    if capture_tracer is not None:
+        capture_tracer.stop()
+        print(f"capture tracer: {capture_tracer.stats}; staged graphs: {len(capture_tracer._staging)}")
+
+    def timed(bs: list[list]) -> tuple[float, list]:
         t0 = time.perf_counter()
-        for b in batches:
-            llm.generate(b, params, use_tqdm=False)
-        return time.perf_counter() - t0
+        tokens = []
+        for b in bs:
+            tokens += [list(o.outputs[0].token_ids) for o in llm.generate(b, params, use_tqdm=False)]
+        return time.perf_counter() - t0, tokens
 
-    def traced(variant: str) -> float:
-        t = tracer.start(tempfile.mkdtemp(), export_env=False)
-        if variant == "no-backend-hooks":
-            for owner, name, original in list(t._patched):
-                if name in ("forward", "do_kv_cache_update"):
-                    setattr(owner, name, original)
-        if variant == "writer-does-nothing":
-            t._thread._handle = lambda slot: None
-        spent = [0.0]
-        if variant == "profile-writer":
-            handle = t._thread._handle
-
-            def timed_handle(slot):
-                t0 = time.perf_counter()
-                handle(slot)
-                spent[0] += time.perf_counter() - t0
-
-            t._thread._handle = timed_handle
-        s = timed()
+    def run(variant: str, bs: list[list]) -> tuple[float, list, dict]:
+        if variant == "untraced":
+            s, tok = timed(bs)
+            return s, tok, {}
+        os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
+        kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant == "tensors-l0" else {}
+        t = tracer.start(tempfile.mkdtemp(), export_env=False, **kw)
+        if variant == "runner-off":
+            t._end_request_step = lambda *a, **k: None
+        # Untimed: the trace's first record writes its manifest; slot buffers get pinned.
+        llm.generate(bs[0][:2], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
+        s, tok = timed(bs)
         t.stop()
-        if variant == "profile-writer":
-            print(f"  writer thread: {spent[0]:.3f} s in handle_slot over {t.stats['records']} records")
-        return s
+        os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
+        return s, tok, {"error": t.error, **t.stats}
 
-    results = {"untraced": timed()}
-    for v in ("metadata", "no-backend-hooks", "writer-does-nothing", "profile-writer"):
-        results[v] = traced(v)
-    results["untraced again"] = timed()
-    for k, v in results.items():
-        print(f"{args.mode:10s} {k:22s} {v:.3f} s  ({v / results['untraced']:.2f}x)")
+    results: dict[str, list[float]] = {v: [] for v in variants}
+    same: dict[str, list[bool]] = {v: [] for v in variants}
+    stats: dict[str, dict] = {}
+    for r in range(args.rounds):
+        bs = batches(r)
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
+        ref = None
+        round_tokens = {}
+        for v in order:
+            s, tok, st = run(v, bs)
+            results[v].append(s)
+            round_tokens[v] = tok
+            stats[v] = st
+            print(f"round {r} {v:14s} {s:.3f} s {st}", flush=True)
+        ref = round_tokens.get("untraced")
+        for v in variants:
+            same[v].append(ref is None or round_tokens[v] == ref)
+    base = statistics.median(results["untraced"]) if results.get("untraced") else None
+    summary = {}
+    print(
+        f"\n{args.mode}: median of {args.rounds} rounds, 3 batches x {args.prompts} prompts, "
+        f"{args.max_tokens} new tokens"
+    )
+    for v in variants:
+        med = statistics.median(results[v])
+        ratio = med / base if base else None
+        summary[v] = {"median_s": med, "all_s": results[v], "x_untraced": ratio, "same_tokens": all(same[v])}
+        print(
+            f"{args.mode:18s} {v:14s} {med:.3f} s  ({ratio:.3f}x)  all {[round(x, 3) for x in results[v]]}  "
+            f"same tokens {all(same[v])}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"mode": args.mode, "summary": summary, "stats": stats}, indent=1))
     t = tracer.start(tempfile.mkdtemp(), export_env=False)
     prof = cProfile.Profile()
     prof.enable()
-    llm.generate(batches[1], params, use_tqdm=False)
+    llm.generate(batches(50)[1], params, use_tqdm=False)
     prof.disable()
     t.stop()
     out = io.StringIO()
-    st = pstats.Stats(prof, stream=out).sort_stats("tottime")
-    st.print_stats(25)
-    print(out.getvalue()[:6000])
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
+    print(out.getvalue()[:5000])
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats("tracer", 15)
-    print(out.getvalue()[:4000])
+    pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats("tracer", 12)
+    print(out.getvalue()[:3500])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ Made by ``scripts/h200-v3.sh`` on the H200 (vLLM 0.26.0, FA3, V2 model runner), 
   window) and 1 (full attention): two KV-cache groups, each with its own block table.
 * ``h200-llama3.1-8b-fp8-writelog``: PIECEWISE, fp8 KV cache, tensors of layer 0 as a KV write
   log with whole blocks every second step: the rebuild is checked against them bit for bit.
+* ``h200-llama3.1-8b-fp8-default-tensors``: the same in vLLM's default mode (later the same day):
+  the decode steps' tensors come from copies the tracer captured into the full graphs.
 """
 
 from __future__ import annotations
@@ -117,3 +119,55 @@ def test_the_report_says_which_steps_ran_as_full_graphs():
     assert index.count("<td>full graph</td>") == 15 and index.count("<td>eager</td>") == 3
     old = render_site(build_site(_open("h200-qwen2.5-7b-default")))["index.html"]
     assert "<th>CUDA graph</th>" not in old  # format 1 did not record it
+
+
+def test_tensors_of_full_graph_steps_come_from_the_graphs_and_replay():
+    """Default mode, fp8 KV cache: the decode steps replayed full CUDA graphs, and the copies the
+    tracer captured into those graphs (tracer.staging) gave each its query / output / key / value."""
+    trace = _open("h200-llama3.1-8b-fp8-default-tensors")
+    assert trace.run.cudagraph_mode == "FULL_AND_PIECEWISE" and trace.run.kv_cache.cache_dtype.startswith("fp8")
+    requests = trace.steps(kind="request")
+    full = [r for r in requests if r.cudagraph == "full"]
+    assert len(full) == len(requests) - 1 >= 6  # every decode step ran as a full graph...
+    assert all(r.tensors for r in requests)  # ...and has its tensors
+    assert all(r.kv_log_epoch == 0 for r in requests)  # one epoch: no write went unlogged
+    for r in full:
+        got = trace.tensors(r)
+        assert got["query"].shape[0] == got["output"].shape[0] == got["key"].shape[0] == r.num_actual_tokens
+    checks = verify_write_log(trace)
+    assert any(c.step in {r.step for r in full} for c in checks)  # a full-graph step checked whole
+    assert len(checks) >= 3 and all(c.ok for c in checks), [str(c) for c in checks]
+    report = replay_trace(trace)
+    assert report.ok and len(report.steps) == len(requests)
+    assert all(w.ok for w in report.write_path) and len(report.write_path) == len(requests)
+
+
+def test_the_legacy_round_trip_fails_when_the_layout_loses_a_value(monkeypatch):
+    from reference_impl import checks
+    from reference_impl import layouts as layout_module
+    from reference_impl.inputs import reference_outputs, step_inputs
+
+    trace = _open("h200-llama3.1-8b-fp8-default-tensors")
+    record = trace.steps(kind="request")[1]
+    inputs = step_inputs(record, trace.tensors(record), trace.run.kv_cache, "flash_nhd", flash_attn_version=3)
+    expected, _ = reference_outputs(inputs)
+    args = (
+        record,
+        inputs.key_cache,
+        inputs.value_cache,
+        inputs.block_table,
+        expected,
+        inputs.query,
+        trace.run.kv_cache,
+    )
+    assert checks.check_legacy_path(*args).ok
+    back = layout_module.legacy_to_kv
+
+    def swapped(key, value):  # two values of one head trade places on the way back
+        k, v = back(key, value)
+        k = k.clone()
+        k[0, 0, 0, [0, 1]] = k[0, 0, 0, [1, 0]]
+        return k, v
+
+    monkeypatch.setattr(checks._layouts, "legacy_to_kv", swapped)
+    assert not checks.check_legacy_path(*args).ok

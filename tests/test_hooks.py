@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -119,24 +118,7 @@ def test_kv_layout_of_names_a_stored_registry_layout():
     assert hooks.TracerOptions is TracerOptions  # still importable where the rooms import it
 
 
-def test_a_tensor_session_in_a_full_graph_mode_runs_piecewise_and_says_so(tmp_path, caplog):
-    from tracer.session import SessionConfig, graph_mode_for
-
-    base = SessionConfig(trace_dir=str(tmp_path), enforce_eager=False)
-    with caplog.at_level("WARNING", logger="pagedtrace"):
-        assert graph_mode_for(replace(base, cudagraph_mode="FULL_AND_PIECEWISE")) == "PIECEWISE"
-    assert [r.getMessage() for r in caplog.records] == [
-        "pagedtrace: tensors are not captured inside full CUDA graphs; running FULL_AND_PIECEWISE as PIECEWISE "
-        "(--no-tensors keeps FULL_AND_PIECEWISE and records metadata for every step)"
-    ]
-    caplog.clear()
-    assert graph_mode_for(replace(base, cudagraph_mode="FULL_AND_PIECEWISE", tensors=False)) == "FULL_AND_PIECEWISE"
-    assert graph_mode_for(replace(base, cudagraph_mode="PIECEWISE")) == "PIECEWISE"
-    assert graph_mode_for(replace(base, cudagraph_mode="FULL", trace=False)) == "FULL"
-    assert not caplog.records
-
-
-def _fake_step_engine(tmp_path):
+def _fake_step_engine(tmp_path, *, tensors=False):
     """A tracer with its writer thread, and a V2-like runner whose one step replayed a padded full graph.
 
     Three requests padded to four rows (the padded row has seq_len 0 and slot -1), as vLLM's V2
@@ -149,7 +131,7 @@ def _fake_step_engine(tmp_path):
 
     from tracer.ring import WriterThread
 
-    t = Tracer(TracerOptions(str(tmp_path / "trace"), layers=(0,)))
+    t = Tracer(TracerOptions(str(tmp_path / "trace"), layers=(0,), tensors=tensors))
     t._thread = WriterThread(t._pool, t._sink.handle_slot, t._on_writer_error)
     impl = types.SimpleNamespace(
         alibi_slopes=None, sinks=None, scale=0.125, num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0
@@ -197,3 +179,84 @@ def test_a_step_no_forward_saw_is_recorded_from_the_runner(tmp_path, path):
     assert rec.cudagraph == ("full" if path == "v2-full-graph" else "piecewise") and rec.padded_tokens == 4
     assert (rec.num_actual_tokens, rec.request_ids, rec.seq_lens) == (3, ("a", "b", "c"), (5, 9, 3))
     assert rec.block_table == ((1, 2), (3, 4, 5), (6,)) and rec.slot_mapping == (8, 20, 26)  # padding dropped
+
+
+def test_a_full_graph_step_keeps_the_tensors_its_captured_copies_left(tmp_path, monkeypatch):
+    """Capture: forward / do_kv_cache_update of the traced layer add copies into staging buffers;
+    each replay rewrites them (done here by hand: no CUDA graph on CPU); the runner's step then
+    records that replay's real rows, and the write log gathers what the step wrote to the cache."""
+    import types
+
+    import torch
+
+    from tracer.format import Trace
+    from tracer.staging import GraphStaging
+
+    t, runner, sched, md = _fake_step_engine(tmp_path, tensors=True)
+    t._staging = GraphStaging()  # not the process's: this "graph" ends with the test
+    name = "model.layers.0.self_attn.attn"
+    module = t._vllm_config.compilation_config.static_forward_context[name]
+    kv_cache = module.kv_cache[0]
+    layer = types.SimpleNamespace(layer_name=name, impl=module.impl)
+    kv_update = wrappers.kv_update(t, lambda impl, layer, key, value, kv_cache, slot_mapping: None)
+    forward = wrappers.forward(t, lambda impl, layer, q, k, v, kv_cache, md, out: out)
+    bf16 = torch.bfloat16
+
+    def tensors(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(*s, generator=g).to(bf16) for s in ((4, 4, 8), (4, 2, 8), (4, 2, 8), (4, 32))]
+
+    monkeypatch.setattr(hooks, "capturing", lambda: True)
+    monkeypatch.setattr(wrappers, "capturing", lambda: True)
+    t._phase, t._depth, t._in_capture = ["warmup"], 1, 1
+    t._begin_step()
+    q, k, v, out = tensors(0)
+    kv_update(module.impl, layer, k, v, kv_cache, md.slot_mapping)
+    forward(module.impl, layer, q, k, v, kv_cache, md, out)
+    staged = t._staging.get(name, 4, kv_cache)
+    assert staged is not None and set(staged) == {"cache", "query", "output", "key", "value"}
+    assert torch.equal(staged["query"], q) and torch.equal(staged["key"], k)
+    assert t._staging.get(name, 8, kv_cache) is None  # no graph of 8 tokens was captured
+    assert t._staging.get(name, 4, kv_cache.clone()) is None  # another engine's cache: not its graphs
+    t._submit_slot()
+    monkeypatch.setattr(hooks, "capturing", lambda: False)
+    monkeypatch.setattr(wrappers, "capturing", lambda: False)
+    t._phase, t._depth, t._in_capture = ["request"], 1, 0
+
+    q, k, v, out = tensors(1)  # the replay: the graph's copies rewrite the buffers, its kernels the cache
+    for key, value in zip(("query", "key", "value", "output"), (q, k, v, out), strict=True):
+        staged[key].copy_(value)
+    for row, slot in enumerate((8, 20, 26)):  # logical (blocks, heads, block_size, K|V)
+        kv_cache[slot // 4, :, slot % 4, :8], kv_cache[slot // 4, :, slot % 4, 8:] = k[row], v[row]
+    t._begin_step()
+    t._v2_req_ids = ("a", "b", "c")
+    t._dispatch = ("full", 4)
+    t._end_request_step(runner, (sched,), {})
+    t._submit_slot()
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is None and not t._warned
+    trace = Trace.open(tmp_path / "trace")
+    rec = next(r for r in trace.records if r.kind == "request")
+    assert rec.cudagraph == "full" and rec.num_actual_tokens == 3
+    got = trace.tensors(rec)
+    assert torch.equal(got["query"], q[:3]) and torch.equal(got["output"].reshape(3, 32), out[:3])
+    assert torch.equal(got["key"], k[:3]) and torch.equal(got["value"], v[:3])
+    assert torch.equal(got["kv_written"][:, 0], k[:3]) and torch.equal(got["kv_written"][:, 1], v[:3])
+
+
+def test_a_full_graph_captured_before_the_tracer_started_says_its_steps_carry_metadata_only(tmp_path):
+    t, runner, sched, _md = _fake_step_engine(tmp_path, tensors=True)
+    t._phase, t._depth = ["request"], 1
+    t._begin_step()
+    t._v2_req_ids = ("a", "b", "c")
+    t._dispatch = ("full", 4)
+    with pytest.warns(RuntimeWarning, match="captured before the tracer started carry metadata only"):
+        t._end_request_step(runner, (sched,), {})
+    t._submit_slot()
+    t._thread.close()
+    t._sink.finish()
+    from tracer.format import Trace
+
+    (rec,) = Trace.open(tmp_path / "trace").records
+    assert rec.cudagraph == "full" and not rec.tensors

@@ -74,19 +74,20 @@ def step_fields(static: LayerStatic, md: Any, num_tokens: int, cudagraph: str, p
     return fields
 
 
-def tensor_clones(static: LayerStatic, query: Any, md: Any, output: Any, kv_in: dict[str, Any]) -> dict[str, Any]:
-    """Device-side clones for a tensor step, taken in ``forward`` after the cache write (no host sync).
+def tensor_clones(
+    static: LayerStatic, query: Any, md: Any, output: Any, kv_in: dict[str, Any], n: int, num_reqs: int
+) -> dict[str, Any]:
+    """Device-side clones for a tensor step, taken after the cache write (no host sync).
 
-    ``kv_in``: what ``do_kv_cache_update`` saw (its ``slot_mapping``, and ``key``/``value`` clones).
+    ``kv_in``: what ``do_kv_cache_update`` saw (its ``slot_mapping``, and ``key``/``value`` clones);
+    ``n`` / ``num_reqs``: the step's real tokens and requests (a full graph's metadata counts its padding).
     """
-    n = int(md.num_actual_tokens)
     slot_mapping = kv_in.get("slot_mapping")
     if slot_mapping is None:
         slot_mapping = md.slot_mapping[:n]
     if static.geometry is None:
         static.layout = static.layout or kv_layout_of(static.impl, static.kv_cache)
         static.geometry = geometry_of(static.kv_cache, static.layout)
-    num_reqs = int(md.seq_lens.shape[0])
     blocks, cols = clone_read_blocks(static.kv_cache, md.block_table, num_reqs, int(md.max_seq_len))
     tensors = {
         "query": query[:n].detach().clone(),

@@ -12,8 +12,16 @@ which graph ran), queues non-blocking copies of its tensors into a pinned ring s
 ``forward`` / ``do_kv_cache_update`` add what only they see: the query's dtype, and for
 tensor steps device-side clones of query / output / key / value plus the KV write log's
 gathers (``tracer.writelog``). Warm-up and profile passes are recorded from ``forward``.
-While the runner captures CUDA graphs nothing is copied and the writer stays off the
+While the runner captures CUDA graphs no host copy is made and the writer stays off the
 device: vLLM captures in global mode, where any thread's sync aborts the capture.
+
+Tensors of full-graph steps: while vLLM captures a full graph, ``forward`` and
+``do_kv_cache_update`` of a traced layer add device-to-device copies of query / output /
+key / value into staging buffers the tracer owns (``tracer.staging``). The copies become
+part of the graph, so every replay leaves its step's tensors there; the end of the runner's
+step (outside the graph, on the same stream, before the next replay) clones the real rows
+like any other tensor step. A graph captured before the tracer started has no such copies:
+its steps carry metadata only, and the tracer says so once (``FULL_GRAPH_TENSORS``).
 
 Patched (when importable), with the wrappers of ``tracer.wrappers``:
 
@@ -42,9 +50,10 @@ from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
 from tracer.manifest import import_attr
 from tracer.options import TracerOptions
 from tracer.pending import LayerCapture, LayerStatic, capture_scales, dtype_name
-from tracer.ring import Slot, SlotPool, WriterThread, record_event
+from tracer.ring import Slot, SlotPool, WriterThread, event_blocking, record_event
 from tracer.runtime import capturing, cuda_available, is_warmup_batch
 from tracer.sink import TraceSink
+from tracer.staging import SHARED as GRAPH_STAGING
 
 __all__ = ["BACKEND_TARGETS", "MODULE_TARGETS", "RUNNER_METHODS", "RUNNER_TARGETS", "Tracer", "TracerOptions", "active"]
 
@@ -66,10 +75,10 @@ MODULE_TARGETS = (
     ("vllm.v1.worker.gpu.model_runner", "dispatch_cg_and_sync_dp"),
 )
 
-#: The one line said when tensors are asked for but a step ran as a full CUDA graph.
+#: The one line said when tensors are asked for but a full CUDA graph was captured without the tracer's copies.
 FULL_GRAPH_TENSORS = (
-    "pagedtrace: steps replayed as full CUDA graphs carry metadata only (Python forward() is not called); "
-    "for tensors of every step use cudagraph_mode PIECEWISE or enforce_eager"
+    "pagedtrace: steps replayed as full CUDA graphs captured before the tracer started carry metadata only; "
+    "start the tracer before the engine (or use cudagraph_mode PIECEWISE) for tensors of every step"
 )
 
 #: Testing knobs (read when a ``Tracer`` is made): ring size and a writer-thread delay per step.
@@ -114,6 +123,7 @@ class Tracer:
         self._layer_wanted: dict[str, bool] = {}  # layer name -> in ``options.layers``
         self._kv_inputs: dict[str, dict[str, Any]] = {}
         self._pool = SlotPool(ring_slots)
+        self._blocking_events = self._sink.blocking_events = event_blocking()
         self._ring_slots = ring_slots
         self._throttle = throttle
         self._thread: WriterThread | None = None
@@ -134,6 +144,7 @@ class Tracer:
         self._dispatch: tuple[str, int | None] | None = None  # the V2 runner's graph choice
         self._fwd_md: dict[str, Any] = {}  # request steps: the metadata forward() saw, per layer
         self._step_tensors: dict[str, dict[str, Any]] = {}
+        self._staging = GRAPH_STAGING  # tensors the captured full graphs copy out on every replay
         self.stats = {"records": 0, "gaps": 0, "tensor_files": 0, "ring_waits": 0}
 
     # -- install / uninstall -------------------------------------------------
@@ -255,6 +266,10 @@ class Tracer:
     def _wants(self, layer_name: str) -> bool:
         if self._sink.failed or not step_in_range(self.step, self.options.steps):
             return False
+        return self._selected(layer_name)
+
+    def _selected(self, layer_name: str) -> bool:
+        """``layer_name`` is one of ``options.layers`` (whatever the step)."""
         sel = self.options.layers
         if sel == "all":
             return True
@@ -266,6 +281,18 @@ class Tracer:
         if wanted is None:  # asked for every layer of every step: match each name once
             wanted = self._layer_wanted[layer_name] = layer_matches(layer_name, sel)
         return wanted
+
+    def stages(self, layer_name: str) -> bool:
+        """Inside a full-graph capture: the graph should copy out this layer's tensors."""
+        return self.options.tensors and not self._sink.failed and self._selected(layer_name) and capturing()
+
+    def capture_capacity(self) -> int:
+        """The largest batch vLLM captures a graph for (0 when its config does not say)."""
+        cc = getattr(self._vllm_config, "compilation_config", None)
+        size = getattr(cc, "max_cudagraph_capture_size", None) or max(
+            getattr(cc, "cudagraph_capture_sizes", None) or [0]
+        )
+        return int(size or 0)
 
     def _wants_tensors(self) -> bool:
         if not (self.options.tensors and self._kind() == "request"):
@@ -343,6 +370,8 @@ class Tracer:
                 self._record_gap(kind, f"attn_metadata is None: vLLM skips attention in this {why}", 0)
             self._seen_in_step = True
             return
+        if self.stages(name):  # a full graph being captured: its replays copy query / output out
+            self._staging.stage(name, {"query": query, "output": output}, kv_cache, self.capture_capacity())
         if not self._wants(name):
             return
         if self.options.layers == "first" and self._layer_locked is None:
@@ -367,7 +396,8 @@ class Tracer:
     def _capture_tensors(self, static: LayerStatic, query, md, output) -> None:
         """Device-side clones for a tensor step (queued on the stream: no host sync)."""
         kv_in = self._kv_inputs.pop(static.name, None) or {}
-        self._step_tensors[static.name] = tensor_clones(static, query, md, output, kv_in)
+        n = int(md.num_actual_tokens)
+        self._step_tensors[static.name] = tensor_clones(static, query, md, output, kv_in, n, int(md.seq_lens.shape[0]))
 
     def _capture(
         self,
@@ -404,7 +434,9 @@ class Tracer:
             for value in tensors.values():
                 if hasattr(value, "element_size"):
                     self._pool.hold(slot, value.numel() * value.element_size())
-        record_event(slot, cuda_available())  # after every copy and clone above: the writer waits for it
+        record_event(
+            slot, cuda_available(), blocking=self._blocking_events
+        )  # after every copy and clone above: the writer waits for it
         slot.payload["captures"].append(
             LayerCapture(self.step, capture_kind, static, metadata, host, req_ids, scales, tensors, reset)
         )
@@ -474,10 +506,17 @@ class Tracer:
             static = self._static_of(name)
             if static is None:
                 continue
+            md = md_by_layer[name]
             tensors = self._step_tensors.pop(name, None)
-            if tensors is None and self.options.tensors and cudagraph == "full":
-                full_tensors = True
-            self._capture(static, md_by_layer[name], num_reqs, num_tokens, req_ids, cudagraph, padded, tensors=tensors)
+            if tensors is None and cudagraph == "full" and self._wants_tensors():
+                staged = self._staging.get(name, padded, static.kv_cache)
+                if staged is None:
+                    full_tensors = True
+                else:  # the graph's copies of this replay: clone the real rows, as forward() does
+                    kv_in = {"slot_mapping": md.slot_mapping[:num_tokens]}
+                    kv_in.update({k: staged[k][:num_tokens].clone() for k in ("key", "value") if k in staged})
+                    tensors = tensor_clones(static, staged["query"], md, staged["output"], kv_in, num_tokens, num_reqs)
+            self._capture(static, md, num_reqs, num_tokens, req_ids, cudagraph, padded, tensors=tensors)
         if full_tensors:
             self._warn_once(FULL_GRAPH_TENSORS)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Slot", "SlotPool", "WriterThread"]
+__all__ = ["ENV_EVENT_WAIT", "Slot", "SlotPool", "WriterThread", "event_blocking", "record_event"]
 
 logger = logging.getLogger("pagedtrace")
 
@@ -36,6 +36,7 @@ class Slot:
     index: int
     buffers: dict[str, Any] = field(default_factory=dict)  #: name -> pinned host tensor (grown, reused)
     event: Any = None  #: ``torch.cuda.Event`` recorded after the step's copies; None on CPU
+    recorded: bool = False  #: the event was recorded for this use of the slot (gaps alone record none)
     payload: Any = None  #: what the writer turns into records
     device_bytes: int = 0  #: bytes of device tensors the payload holds
 
@@ -91,11 +92,28 @@ class SlotPool:
             self._device_bytes -= slot.device_bytes
             slot.device_bytes = 0
             slot.payload = None
+            slot.recorded = False
             self._free.append(slot)
             self._cond.notify_all()
 
 
-def record_event(slot: Slot, on_cuda: bool) -> None:
+#: How the writer thread waits for a slot's event (``PAGEDTRACE_EVENT_WAIT``): ``blocking`` (the
+#: default) sleeps in the driver; ``spin`` busy-waits, as a default ``torch.cuda.Event`` does. A
+#: spinning waiter holds a core and the driver's locks while the engine's thread launches kernels.
+ENV_EVENT_WAIT = "PAGEDTRACE_EVENT_WAIT"
+
+
+def event_blocking() -> bool:
+    """Whether events are made with ``blocking=True`` (``PAGEDTRACE_EVENT_WAIT``, default ``blocking``)."""
+    import os
+
+    mode = (os.environ.get(ENV_EVENT_WAIT) or "blocking").strip().lower()
+    if mode not in ("blocking", "spin"):
+        raise ValueError(f"{ENV_EVENT_WAIT}={mode!r}: expected 'blocking' or 'spin'")
+    return mode == "blocking"
+
+
+def record_event(slot: Slot, on_cuda: bool, *, blocking: bool = True) -> None:
     """Record the slot's event on the current stream (after everything queued for the step)."""
     if not on_cuda:
         slot.event = None
@@ -103,8 +121,9 @@ def record_event(slot: Slot, on_cuda: bool) -> None:
     import torch
 
     if slot.event is None:
-        slot.event = torch.cuda.Event()
+        slot.event = torch.cuda.Event(blocking=blocking)
     slot.event.record()
+    slot.recorded = True
 
 
 class WriterThread:
@@ -156,7 +175,7 @@ class WriterThread:
                     time.sleep(self.throttle)
                 if not self._failed:
                     try:
-                        if slot.event is not None:
+                        if slot.event is not None and slot.recorded:
                             slot.event.synchronize()
                         self._handle(slot)
                     except BaseException as exc:  # noqa: BLE001 - the engine must run on

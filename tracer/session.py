@@ -228,29 +228,6 @@ def validate_config(cfg: SessionConfig) -> None:
             )
 
 
-#: Graph modes in which some steps replay as one full CUDA graph (Python ``forward`` not called).
-FULL_GRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-
-
-def graph_mode_for(cfg: SessionConfig) -> str | None:
-    """The CUDA-graph mode to start vLLM in: ``cfg.cudagraph_mode``, or PIECEWISE for a tensor trace.
-
-    Tensors are captured in Python ``forward``, which a full graph never calls; a traced
-    session with tensors therefore runs PIECEWISE (attention outside the graphs) and says so
-    in one line, rather than leaving the decode steps without tensors.
-    """
-    mode = cfg.cudagraph_mode
-    if mode and mode.upper() in FULL_GRAPH_MODES and cfg.trace and cfg.tensors:
-        logging.getLogger("pagedtrace").warning(
-            "pagedtrace: tensors are not captured inside full CUDA graphs; running %s as PIECEWISE "
-            "(--no-tensors keeps %s and records metadata for every step)",
-            mode,
-            mode,
-        )
-        return "PIECEWISE"
-    return mode
-
-
 def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
     """Return (model path for vLLM, load format, vocab size, preset max_model_len or 0)."""
     from tracer.loader import LOAD_FORMAT
@@ -406,10 +383,10 @@ def run_session(
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.cudagraph_mode and not cfg.enforce_eager:
-            mode = graph_mode_for(cfg)
-            # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs.
+            # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs. A
+            # tensor trace keeps full graphs: the tracer's copies are captured into them (tracer.staging).
             kwargs["compilation_config"] = {
-                "cudagraph_mode": mode,
+                "cudagraph_mode": cfg.cudagraph_mode,
                 "cudagraph_capture_sizes": list(CAPTURE_SIZES),
             }
         try:

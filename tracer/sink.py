@@ -47,6 +47,7 @@ class TraceSink:
         self._manifest_written = False  # with the first record's backend and KV cache
         self._run_info: RunInfo | None = None  # the manifest on disk, once written
         self._side_stream: Any = None
+        self.blocking_events = True  #: the tracer's ``PAGEDTRACE_EVENT_WAIT`` choice
 
     @property
     def budget_exhausted(self) -> bool:
@@ -80,46 +81,60 @@ class TraceSink:
             self.stats["records"] += 1
 
     def log_tensors(self, item: LayerCapture, record: StepRecord) -> tuple[StepRecord, dict[str, Any] | None]:
-        """The write-log tensors of one record (host copies on the writer's own stream)."""
+        """The write-log tensors of one record.
+
+        Every device-to-host copy is queued at once on the writer's own stream into pinned
+        memory, then one blocking event is waited for: the writer sleeps instead of spinning
+        in a synchronous copy (which would hold the driver while the engine launches kernels).
+        """
         import torch
 
         dev = item.tensors
         assert dev is not None
-        ctx = torch.cuda.stream(self.side_stream()) if cuda_available() else contextlib.nullcontext()
+        on_cuda = cuda_available()
         n = record.num_actual_tokens
-        with ctx:
-            out: dict[str, Any] = {k: dev[k].to("cpu") for k in ("query", "output", "key", "value") if k in dev}
-            spec_heads = (record.num_heads, record.head_size)
-            out["query"] = out["query"].reshape(n, *spec_heads)
-            out["output"] = out["output"].reshape(n, *spec_heads)
-            slots = list(record.slot_mapping[:n])
-            rows = [i for i, s in enumerate(slots) if s >= 0]
-            written = dev["written"].to("cpu")
-            out["kv_slots"] = torch.tensor([slots[i] for i in rows], dtype=torch.long)
-            out["kv_written"] = written[rows] if len(rows) != written.shape[0] else written
-            block_size = item.static.block_size
-            epoch, new_blocks, check = self.log.plan(
-                item.layer,
-                [list(r) for r in record.block_table],
-                list(record.seq_lens),
-                [slots[i] for i in rows],
-                block_size,
-                reset=item.reset,
-            )
-            cols = int(dev["cols"])
-            first_row: dict[int, int] = {}  # block -> its first row in read_blocks ([num_reqs, cols] flattened)
-            for r, row in enumerate(record.block_table):
-                for c, block in enumerate(row):
-                    first_row.setdefault(block, r * cols + c)
-            read_blocks = dev["read_blocks"]
-            index = torch.tensor([first_row[b] for b in new_blocks], dtype=torch.long, device=read_blocks.device)
-            out["kv_new_blocks"] = read_blocks.index_select(0, index).to("cpu")
-            out["kv_new_block_ids"] = torch.tensor(new_blocks, dtype=torch.int32)
+        slots = list(record.slot_mapping[:n])
+        rows = [i for i, s in enumerate(slots) if s >= 0]
+        epoch, new_blocks, check = self.log.plan(
+            item.layer,
+            [list(r) for r in record.block_table],
+            list(record.seq_lens),
+            [slots[i] for i in rows],
+            item.static.block_size,
+            reset=item.reset,
+        )
+        cols = int(dev["cols"])
+        first_row: dict[int, int] = {}  # block -> its first row in read_blocks ([num_reqs, cols] flattened)
+        for r, row in enumerate(record.block_table):
+            for c, block in enumerate(row):
+                first_row.setdefault(block, r * cols + c)
+        read_blocks = dev["read_blocks"]
+
+        def blocks_of(ids: list[int]) -> Any:
+            index = torch.tensor([first_row[b] for b in ids], dtype=torch.long, device=read_blocks.device)
+            return read_blocks.index_select(0, index)
+
+        stream = self.side_stream() if on_cuda else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            out: dict[str, Any] = {
+                k: _to_host(dev[k], on_cuda) for k in ("query", "output", "key", "value") if k in dev
+            }
+            written = _to_host(dev["written"], on_cuda)
+            out["kv_new_blocks"] = _to_host(blocks_of(new_blocks), on_cuda)
             if check:
                 ids = sorted(first_row)
-                index = torch.tensor([first_row[b] for b in ids], dtype=torch.long, device=read_blocks.device)
-                out["kv_blocks"] = read_blocks.index_select(0, index).to("cpu")
+                out["kv_blocks"] = _to_host(blocks_of(ids), on_cuda)
                 out["kv_block_ids"] = torch.tensor(ids, dtype=torch.int32)
+            if stream is not None:
+                done = torch.cuda.Event(blocking=self.blocking_events)
+                done.record(stream)
+                done.synchronize()
+        spec_heads = (record.num_heads, record.head_size)
+        out["query"] = out["query"].reshape(n, *spec_heads)
+        out["output"] = out["output"].reshape(n, *spec_heads)
+        out["kv_slots"] = torch.tensor([slots[i] for i in rows], dtype=torch.long)
+        out["kv_written"] = written[rows] if len(rows) != written.shape[0] else written
+        out["kv_new_block_ids"] = torch.tensor(new_blocks, dtype=torch.int32)
         size = sum(t.numel() * t.element_size() for t in out.values())
         writer = self.writer()
         budget = writer.tensor_budget_bytes
@@ -186,3 +201,14 @@ class TraceSink:
             except OSError as exc:
                 self.on_fail(f"pagedtrace: cannot finish the trace's manifest in {self.options.directory}: {exc}")
         self._writer = None
+
+
+def _to_host(tensor: Any, on_cuda: bool) -> Any:
+    """Queue a copy of ``tensor`` into pinned host memory (non-blocking on CUDA; a plain copy on CPU)."""
+    if not on_cuda or not tensor.is_cuda:
+        return tensor.to("cpu")
+    import torch
+
+    host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

@@ -127,7 +127,9 @@ def kv_update(tracer: Tracer, original):
     def do_kv_cache_update(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs):
         result = original(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
         name = getattr(layer, "layer_name", "")
-        if tracer._wants_tensors() and tracer._wants(name) and not capturing():
+        if tracer.stages(name):  # a full graph being captured: its replays copy key / value out
+            tracer._staging.stage(name, {"key": key, "value": value}, kv_cache, tracer.capture_capacity())
+        elif tracer._wants_tensors() and tracer._wants(name) and not capturing():
             n = slot_mapping.shape[0]
             tracer._kv_inputs[name] = {
                 "slot_mapping": slot_mapping,

@@ -225,8 +225,10 @@ class LegacyCheck:
 
     step: int
     layer: str
-    ok: bool  #: attention through the legacy layout is bitwise the direct result
-    max_abs: float  #: max |legacy-path reference - direct reference| (0 when ok)
+    #: the caches come back from the legacy layout bit for bit, and attention over them agrees with
+    #: the direct result to fp64 rounding (``reference_impl.checks.LEGACY_RERUN_RTOL``)
+    ok: bool
+    max_abs: float  #: max |legacy-path reference - direct reference|
     x: int  #: elements per 16-byte vector, ``16 // element_size``
 
     def to_json(self) -> dict[str, Any]:
