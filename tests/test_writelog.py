@@ -201,3 +201,49 @@ def test_blocks_written_before_tracing_are_stored_once_then_rebuilt(late_slow_tr
     assert all(trace.tensors(r)["kv_new_blocks"].shape[0] == 0 for r in rest)
     checks = verify_write_log(trace)
     assert len(checks) == 1 + len(rest) and all(c.ok for c in checks)
+
+
+def _plain_plan(known, block_table, seq_lens, written, block_size):
+    """The plan written as its definition reads (Python ints as bitmasks), for the vectorised one."""
+    for slot in written:
+        block, offset = divmod(slot, block_size)
+        known[block] = known.get(block, 0) | (1 << offset)
+    new = set()
+    for row, seq_len in zip(block_table, seq_lens, strict=False):
+        for j, block in enumerate(row):
+            used = min(block_size, seq_len - j * block_size)
+            if used <= 0:
+                break
+            if known.get(block, 0) & ((1 << used) - 1) != (1 << used) - 1:
+                new.add(block)
+    for block in new:
+        known[block] = (1 << block_size) - 1
+    return sorted(new)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64, 128])
+def test_the_vectorised_plan_is_the_plain_one(block_size):
+    import random
+
+    import numpy as np
+
+    rng = random.Random(block_size)
+    for _ in range(40):
+        by_rows, by_table, known = WriteLog(), WriteLog(), {}
+        for _ in range(6):
+            reqs, cols = rng.randint(0, 6), rng.randint(1, 5)
+            table = [[rng.randint(0, 40) for _ in range(cols)] for _ in range(reqs)]
+            seq_lens = [rng.randint(0, cols * block_size) for _ in range(reqs)]
+            rows = [row[: -(-s // block_size)] for row, s in zip(table, seq_lens, strict=True)]
+            written = [rng.randint(0, 41 * block_size - 1) for _ in range(rng.randint(0, 9))]
+            want = _plain_plan(known, rows, seq_lens, written, block_size)
+            assert by_rows.plan("L", rows, seq_lens, written, block_size, reset=False)[1] == want
+            epoch, new, _, ids, first = by_table.plan_table(
+                "L", np.array(table, dtype=np.int64).reshape(reqs, cols), seq_lens, written, block_size, reset=False
+            )
+            assert new == want and epoch == 0
+            flat = [b for row in rows for b in row]
+            assert ids.tolist() == sorted(set(flat))
+            for block, at in zip(ids.tolist(), first.tolist(), strict=True):  # the first (row, column) naming it
+                r, c = divmod(at, cols)
+                assert table[r][c] == block and block not in [b for row in rows[:r] for b in row] + rows[r][:c]

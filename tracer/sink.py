@@ -87,31 +87,29 @@ class TraceSink:
         memory, then one blocking event is waited for: the writer sleeps instead of spinning
         in a synchronous copy (which would hold the driver while the engine launches kernels).
         """
+        import numpy as np
         import torch
 
         dev = item.tensors
         assert dev is not None
         on_cuda = cuda_available()
         n = record.num_actual_tokens
-        slots = list(record.slot_mapping[:n])
-        rows = [i for i, s in enumerate(slots) if s >= 0]
-        epoch, new_blocks, check = self.log.plan(
+        slots = np.asarray(record.slot_mapping[:n], dtype=np.int64)
+        rows = np.flatnonzero(slots >= 0)  # padding rows (slot -1) wrote nothing
+        # The host block table the record was made from ([num_reqs, cols], cols as the clone's):
+        # the plan, and each block's row in read_blocks, come from it without a Python loop.
+        epoch, new_blocks, check, ids, rows_of = self.log.plan_table(
             item.layer,
-            [list(r) for r in record.block_table],
-            list(record.seq_lens),
-            [slots[i] for i in rows],
+            item.host["block_table"].numpy(),
+            record.seq_lens,
+            slots[rows],
             item.static.block_size,
             reset=item.reset,
         )
-        cols = int(dev["cols"])
-        first_row: dict[int, int] = {}  # block -> its first row in read_blocks ([num_reqs, cols] flattened)
-        for r, row in enumerate(record.block_table):
-            for c, block in enumerate(row):
-                first_row.setdefault(block, r * cols + c)
         read_blocks = dev["read_blocks"]
 
-        def blocks_of(ids: list[int]) -> Any:
-            index = torch.tensor([first_row[b] for b in ids], dtype=torch.long, device=read_blocks.device)
+        def blocks_of(wanted: Any) -> Any:
+            index = torch.from_numpy(rows_of[np.searchsorted(ids, wanted)]).to(read_blocks.device)
             return read_blocks.index_select(0, index)
 
         stream = self.side_stream() if on_cuda else None
@@ -120,11 +118,10 @@ class TraceSink:
                 k: _to_host(dev[k], on_cuda) for k in ("query", "output", "key", "value") if k in dev
             }
             written = _to_host(dev["written"], on_cuda)
-            out["kv_new_blocks"] = _to_host(blocks_of(new_blocks), on_cuda)
+            out["kv_new_blocks"] = _to_host(blocks_of(np.asarray(new_blocks, dtype=np.int64)), on_cuda)
             if check:
-                ids = sorted(first_row)
                 out["kv_blocks"] = _to_host(blocks_of(ids), on_cuda)
-                out["kv_block_ids"] = torch.tensor(ids, dtype=torch.int32)
+                out["kv_block_ids"] = torch.from_numpy(ids.astype(np.int32))
             if stream is not None:
                 done = torch.cuda.Event(blocking=self.blocking_events)
                 done.record(stream)
@@ -132,8 +129,8 @@ class TraceSink:
         spec_heads = (record.num_heads, record.head_size)
         out["query"] = out["query"].reshape(n, *spec_heads)
         out["output"] = out["output"].reshape(n, *spec_heads)
-        out["kv_slots"] = torch.tensor([slots[i] for i in rows], dtype=torch.long)
-        out["kv_written"] = written[rows] if len(rows) != written.shape[0] else written
+        out["kv_slots"] = torch.from_numpy(slots[rows])
+        out["kv_written"] = written[torch.from_numpy(rows)] if len(rows) != written.shape[0] else written
         out["kv_new_block_ids"] = torch.tensor(new_blocks, dtype=torch.int32)
         size = sum(t.numel() * t.element_size() for t in out.values())
         writer = self.writer()
@@ -167,13 +164,22 @@ class TraceSink:
                     layer=first.layer if first else "",
                 )
                 self._manifest_written = first is not None
-            stored = writer.append(record, tensors)
+            stored = writer.append(record, tensors, flush=False)  # flushed when the writer is idle
             if getattr(stored, "tensors", None):
                 self.stats["tensor_files"] += 1
         except OSError as exc:
             self.on_fail(
                 f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
             )
+
+    def flush(self) -> None:
+        """Nothing is queued: put the lines written so far in the file (a killed engine keeps them)."""
+        if self._writer is None or self.failed:
+            return
+        try:
+            self._writer.flush()
+        except OSError as exc:
+            self.on_fail(f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops")
 
     def writer(self) -> TraceWriter:
         if self._writer is None:

@@ -18,7 +18,8 @@ stores every block it reads again.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tracer.format.layouts import token_elements
@@ -97,14 +98,21 @@ def clone_read_blocks(kv_cache: Any, block_table: Any, num_reqs: int, max_seq_le
 @dataclass
 class _LayerLog:
     epoch: int = -1
-    known: dict[int, int] = field(default_factory=dict)  #: block -> bitmask of token offsets known
+    #: per block id, the bitmask of token offsets known (``uint64``; grown to the largest id seen)
+    known: Any = None
     tensor_steps: int = 0  #: tensor records so far (for check sampling)
+
+
+#: Block sizes whose masks fit a ``uint64`` (larger ones keep Python ints in an object array).
+WORD_BLOCK_SIZE = 64
 
 
 class WriteLog:
     """Writer-thread bookkeeping: per layer, which blocks (and token offsets) the trace holds.
 
     ``check_every``: every N-th tensor step of a layer also stores its blocks whole (0: never).
+    The plan is vectorised (numpy): a decode step of 32 requests names ~1,000 blocks, and the
+    writer thread holds the GIL the engine's thread needs while it runs.
     """
 
     def __init__(self, check_every: int = 0):
@@ -119,37 +127,113 @@ class WriteLog:
     def plan(
         self,
         layer: str,
-        block_table: list[list[int]],
-        seq_lens: list[int],
-        written_slots: list[int],
+        block_table: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        written_slots: Any,
         block_size: int,
         *,
         reset: bool,
     ) -> tuple[int, list[int], bool]:
         """Return (epoch, the blocks to store whole, whether this is a check step); update the state."""
+        log = self._layer(layer, block_size, reset)
+        blocks, need = _needed(block_table, seq_lens, block_size)
+        return self.plan_blocks(layer, log, blocks, need, written_slots, block_size)
+
+    def plan_table(
+        self,
+        layer: str,
+        table: Any,
+        seq_lens: Sequence[int],
+        written_slots: Any,
+        block_size: int,
+        *,
+        reset: bool,
+    ) -> tuple[int, list[int], bool, Any, Any]:
+        """:meth:`plan` for the step's host block table ``[num_reqs, cols]`` (a numpy array).
+
+        Also returns every block the step reads (sorted ids) and its first row in the
+        table flattened, which is its row in ``clone_read_blocks``'s output.
+        """
+        import numpy as np
+
+        log = self._layer(layer, block_size, reset)
+        table = np.asarray(table, dtype=np.int64)
+        cols = table.shape[1] if table.ndim == 2 else 0
+        seq = np.asarray(seq_lens, dtype=np.int64)[: table.shape[0]]
+        used_grid = np.clip(seq[:, None] - np.arange(cols, dtype=np.int64)[None, :] * block_size, 0, block_size)
+        take = used_grid > 0
+        blocks = table[take]
+        epoch, new, check = self.plan_blocks(
+            layer, log, blocks, _mask(used_grid[take], block_size), written_slots, block_size
+        )
+        ids, first = np.unique(blocks, return_index=True)
+        return epoch, new, check, ids, np.flatnonzero(take)[first]
+
+    def _layer(self, layer: str, block_size: int, reset: bool) -> _LayerLog:
         if reset:
             self.invalidate(layer)
         log = self._layers.get(layer)
         if log is None:
             epoch = self._next_epoch.get(layer, 0)
             self._next_epoch[layer] = epoch + 1
-            log = self._layers[layer] = _LayerLog(epoch=epoch)
+            log = self._layers[layer] = _LayerLog(epoch=epoch, known=_zeros(0, block_size))
+        return log
+
+    def plan_blocks(
+        self, layer: str, log: _LayerLog, blocks: Any, need: Any, written_slots: Any, block_size: int
+    ) -> tuple[int, list[int], bool]:
+        """The plan over ``blocks`` read (each with its token-offset mask ``need``)."""
+        import numpy as np
+
+        slots = np.asarray(written_slots, dtype=np.int64)
+        top = max(int(blocks.max(initial=-1)), int(slots.max(initial=-1)) // block_size) + 1
+        if top > log.known.shape[0]:
+            log.known = np.concatenate([log.known, _zeros(top - log.known.shape[0], block_size)])
         known = log.known
-        for slot in written_slots:
-            block, offset = divmod(slot, block_size)
-            known[block] = known.get(block, 0) | (1 << offset)
-        full = (1 << block_size) - 1
-        new: set[int] = set()
-        for row, seq_len in zip(block_table, seq_lens, strict=False):
-            for j, block in enumerate(row):
-                used = min(block_size, seq_len - j * block_size)
-                if used <= 0:
-                    break
-                need = (1 << used) - 1
-                if known.get(block, 0) & need != need:
-                    new.add(block)
-        for block in new:
-            known[block] = full
+        if slots.size:
+            bits = _mask(slots % block_size + 1, block_size) ^ _mask(slots % block_size, block_size)  # 1 << offset
+            np.bitwise_or.at(known, slots // block_size, bits)
+        new = np.unique(blocks[(known[blocks] & need) != need])
+        known[new] = _mask(np.array([block_size]), block_size)[0]
         log.tensor_steps += 1
         check = self.check_every > 0 and (log.tensor_steps - 1) % self.check_every == 0
-        return log.epoch, sorted(new), check
+        return log.epoch, new.tolist(), check
+
+
+def _zeros(n: int, block_size: int) -> Any:
+    import numpy as np
+
+    if block_size <= WORD_BLOCK_SIZE:
+        return np.zeros(n, dtype=np.uint64)
+    out = np.empty(n, dtype=object)
+    out[:] = 0
+    return out
+
+
+def _mask(used: Any, block_size: int) -> Any:
+    """``(1 << used) - 1`` per element of the int array ``used`` (each in 0..block_size)."""
+    import numpy as np
+
+    if block_size > WORD_BLOCK_SIZE:
+        out = np.empty(len(used), dtype=object)
+        out[:] = [(1 << int(u)) - 1 for u in used]
+        return out
+    used = np.asarray(used, dtype=np.uint64)
+    shifted = np.left_shift(np.uint64(1), np.minimum(used, np.uint64(63))) - np.uint64(1)
+    return np.where(used >= 64, np.uint64(0xFFFFFFFFFFFFFFFF), shifted)
+
+
+def _needed(block_table: Sequence[Sequence[int]], seq_lens: Sequence[int], block_size: int) -> tuple[Any, Any]:
+    """Every (block, token-offset mask) the step reads: each row's blocks up to its ``seq_len``."""
+    import numpy as np
+
+    lengths = [min(len(row), max(0, -(-int(s) // block_size))) for row, s in zip(block_table, seq_lens, strict=False)]
+    total = sum(lengths)
+    blocks = np.fromiter(
+        (b for row, n in zip(block_table, lengths, strict=False) for b in row[:n]), dtype=np.int64, count=total
+    )
+    row_seq = np.repeat(np.asarray(seq_lens[: len(lengths)], dtype=np.int64), lengths)
+    starts = np.cumsum([0, *lengths[:-1]]) if lengths else np.zeros(0, dtype=np.int64)
+    col = np.arange(total, dtype=np.int64) - np.repeat(np.asarray(starts, dtype=np.int64), lengths)
+    used = np.clip(row_seq - col * block_size, 0, block_size)
+    return blocks, _mask(used, block_size)

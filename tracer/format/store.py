@@ -95,8 +95,14 @@ class TraceWriter:
         self,
         record: StepRecord | GapRecord,
         tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        flush: bool = True,
     ) -> StepRecord | GapRecord:
-        """Write ``tensors`` (if any, within budget) and one JSONL line; return the stored record."""
+        """Write ``tensors`` (if any, within budget) and one JSONL line; return the stored record.
+
+        ``flush=False`` leaves the line in the file's buffer until :meth:`flush` (the tracer's
+        writer thread flushes once it has nothing queued, not once per record).
+        """
         if tensors and isinstance(record, StepRecord):
             size = sum(t.numel() * t.element_size() for t in tensors.values())
             budget = self.tensor_budget_bytes
@@ -114,8 +120,13 @@ class TraceWriter:
                 self.tensor_bytes += size
                 record = replace(record, tensors=name, tensor_names=tuple(sorted(tensors)))
         self._steps.write(json.dumps(record_to_json(record), separators=(",", ":")) + "\n")
-        self._steps.flush()
+        if flush:
+            self._steps.flush()
         return record
+
+    def flush(self) -> None:
+        """Push buffered lines of ``steps.jsonl`` to the file."""
+        self._steps.flush()
 
     def write_json(self, name: str, data: Any) -> None:
         """Write a side file such as ``session.json`` atomically."""
