@@ -11,6 +11,7 @@ round so drift cancels. Variants:
 * ``runner-off``      the wrappers only: the runner-level capture of each step does nothing
 * ``tensors-l0``      tensors for layer 0 (in a full-graph mode the copies were captured by a
                       tracer started before the engine, then stopped: ``tracer.staging``)
+* ``tensors-l0-ring8`` the same with an 8-slot ring (``PAGEDTRACE_RING_SLOTS=8``, the old default)
 
 Prints each variant's median seconds and its ratio to the untraced median, whether greedy
 tokens matched the untraced pass of the round, and a cProfile of one metadata pass.
@@ -103,7 +104,9 @@ def main() -> None:
             s, tok = timed(bs)
             return s, tok, {}
         os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
-        kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant == "tensors-l0" else {}
+        if variant.endswith("-ring8"):  # the ring size before it became 64 slots
+            os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
+        kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}
         t = tracer.start(tempfile.mkdtemp(), export_env=False, **kw)
         if variant == "runner-off":
             t._end_request_step = lambda *a, **k: None
@@ -112,6 +115,7 @@ def main() -> None:
         s, tok = timed(bs)
         t.stop()
         os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
+        os.environ.pop("PAGEDTRACE_RING_SLOTS", None)
         return s, tok, {"error": t.error, **t.stats}
 
     results: dict[str, list[float]] = {v: [] for v in variants}

@@ -132,7 +132,7 @@ def _fake_step_engine(tmp_path, *, tensors=False):
     from tracer.ring import WriterThread
 
     t = Tracer(TracerOptions(str(tmp_path / "trace"), layers=(0,), tensors=tensors))
-    t._thread = WriterThread(t._pool, t._sink.handle_slot, t._on_writer_error)
+    t._thread = WriterThread(t._pool, t._sink.handle_slot, t._on_writer_error, idle=t._sink.flush)
     impl = types.SimpleNamespace(
         alibi_slopes=None, sinks=None, scale=0.125, num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0
     )
@@ -260,3 +260,26 @@ def test_a_full_graph_captured_before_the_tracer_started_says_its_steps_carry_me
 
     (rec,) = Trace.open(tmp_path / "trace").records
     assert rec.cudagraph == "full" and not rec.tensors
+
+
+def test_a_drained_step_is_on_disk_before_the_trace_closes(tmp_path):
+    """The writer flushes steps.jsonl once nothing is queued: a reader of the live trace sees it."""
+    t, runner, sched, _md = _fake_step_engine(tmp_path)
+    t._phase, t._depth = ["request"], 1
+    t._begin_step()
+    t._v2_req_ids = ("a", "b", "c")
+    t._dispatch = ("full", 4)
+    t._end_request_step(runner, (sched,), {})
+    t.drain()
+    lines = (tmp_path / "trace" / "steps.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and '"cudagraph":"full"' in lines[0]
+    t._thread.close()
+    t._sink.finish()
+
+
+def test_a_bad_event_wait_setting_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDTRACE_EVENT_WAIT", "sometimes")
+    with pytest.raises(ValueError, match=r"^PAGEDTRACE_EVENT_WAIT='sometimes': expected 'blocking' or 'spin'$"):
+        Tracer(TracerOptions(str(tmp_path / "t")))
+    monkeypatch.setenv("PAGEDTRACE_EVENT_WAIT", "spin")
+    assert Tracer(TracerOptions(str(tmp_path / "t")))._blocking_events is False

@@ -81,6 +81,12 @@ FULL_GRAPH_TENSORS = (
     "start the tracer before the engine (or use cudagraph_mode PIECEWISE) for tensors of every step"
 )
 
+#: Steps in flight before a step waits for the writer. Metadata slots are small (a few pinned
+#: buffers sized for the runner's); a tensor step's device clones count against the pool's
+#: device-byte cap instead. Enough slots that the decode steps after a large prefill (whose
+#: tensors take the writer ~0.1 s to store) do not wait for it.
+RING_SLOTS = 64
+
 #: Testing knobs (read when a ``Tracer`` is made): ring size and a writer-thread delay per step.
 ENV_RING_SLOTS = "PAGEDTRACE_RING_SLOTS"
 ENV_THROTTLE = "PAGEDTRACE_WRITER_THROTTLE_S"
@@ -100,13 +106,13 @@ class Tracer:
     ``start()`` / ``stop()`` are symmetric; a second ``start()`` (of this or any
     tracer) raises; a start that fails half-way unpatches what it patched.
     ``ring_slots``: steps in flight before a step waits for the writer (default
-    ``PAGEDTRACE_RING_SLOTS`` or 8); ``throttle``: seconds the writer thread sleeps per step
+    ``PAGEDTRACE_RING_SLOTS`` or :data:`RING_SLOTS`); ``throttle``: seconds the writer thread sleeps per step
     (default ``PAGEDTRACE_WRITER_THROTTLE_S`` or 0; tests use it as a slow disk).
     """
 
     def __init__(self, options: TracerOptions, *, ring_slots: int | None = None, throttle: float | None = None):
         if ring_slots is None:
-            ring_slots = max(1, int(os.environ.get(ENV_RING_SLOTS, "8") or 8))
+            ring_slots = max(1, int(os.environ.get(ENV_RING_SLOTS, str(RING_SLOTS)) or RING_SLOTS))
         if throttle is None:
             throttle = float(os.environ.get(ENV_THROTTLE, "0") or 0)
         self.options = options
