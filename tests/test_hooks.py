@@ -283,3 +283,29 @@ def test_a_bad_event_wait_setting_is_one_line(tmp_path, monkeypatch):
         Tracer(TracerOptions(str(tmp_path / "t")))
     monkeypatch.setenv("PAGEDTRACE_EVENT_WAIT", "spin")
     assert Tracer(TracerOptions(str(tmp_path / "t")))._blocking_events is False
+
+
+def test_a_step_whose_forward_ran_never_takes_a_graphs_staged_tensors(tmp_path):
+    """The staging buffers hold the last replay of a graph: a step whose attention ran in Python
+    (forward saw it) must not be given them, whatever its graph label says."""
+    import torch
+
+    from tracer.format import Trace
+    from tracer.staging import GraphStaging
+
+    t, runner, sched, md = _fake_step_engine(tmp_path, tensors=True)
+    name = "model.layers.0.self_attn.attn"
+    kv_cache = t._vllm_config.compilation_config.static_forward_context[name].kv_cache[0]
+    t._staging = GraphStaging()
+    t._staging.stage(name, {"query": torch.zeros(4, 4, 8), "output": torch.zeros(4, 32)}, kv_cache, 4)
+    t._phase, t._depth = ["request"], 1
+    t._begin_step()
+    t._v2_req_ids = ("a", "b", "c")
+    t._dispatch = ("piecewise", 4)
+    t._fwd_md[name] = md  # forward ran for the layer (and, say, its tensors were not wanted then)
+    t._end_request_step(runner, (sched,), {})
+    t._submit_slot()
+    t._thread.close()
+    t._sink.finish()
+    (rec,) = Trace.open(tmp_path / "trace").records
+    assert rec.cudagraph == "piecewise" and not rec.tensors and not t._warned

@@ -518,7 +518,9 @@ class Tracer:
                 continue
             md = md_by_layer[name]
             tensors = self._step_tensors.pop(name, None)
-            if tensors is None and cudagraph == "full" and self._wants_tensors():
+            if tensors is None and name not in self._fwd_md and cudagraph != "none" and self._wants_tensors():
+                # forward() did not run for this layer: its attention replayed inside a graph (a full
+                # one, or a breakable PIECEWISE one that captures attention too)
                 staged = self._staging.get(name, padded, static.kv_cache)
                 if staged is None:
                     full_tensors = True
