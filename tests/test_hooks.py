@@ -33,8 +33,32 @@ def nothing_left_patched():
     assert {(c, n): vars(c)[n] for c, n in TARGETS} == before
 
 
+def test_a_metadata_tracer_leaves_the_cache_write_alone(tmp_path):
+    with Tracer(TracerOptions(str(tmp_path / "t"))):
+        assert hasattr(vars(cpu_attn.CPUAttentionBackendImpl)["forward"], "__pagedtrace_original__")
+        assert not hasattr(vars(cpu_attn.CPUAttentionBackendImpl)["do_kv_cache_update"], "__pagedtrace_original__")
+
+
+def test_an_untraced_layer_of_a_request_step_passes_forward_at_once(tmp_path):
+    import types
+
+    t = Tracer(TracerOptions(str(tmp_path / "t"), layers=(0,)))
+    seen = []
+    t._on_forward = lambda impl, layer, *rest: seen.append(layer.layer_name)  # what the slow path is given
+    forward = wrappers.forward(t, lambda impl, layer, q, k, v, kv, md, out: out)
+    layers = [types.SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn") for i in range(3)]
+    t.untraced_now = {layers[1].layer_name: True, layers[2].layer_name: True}
+    for layer in layers:
+        assert forward(None, layer, None, None, None, None, object(), "out") == "out"
+    assert seen == [layers[0].layer_name]
+    t._end_step("execute_model", "profile", None, (), {})  # the step ends: every layer is looked at again
+    for layer in layers:
+        forward(None, layer, None, None, None, None, object(), "out")
+    assert seen == [layers[0].layer_name, *(layer.layer_name for layer in layers)]
+
+
 def test_start_patches_and_stop_restores(tmp_path):
-    t = Tracer(TracerOptions(str(tmp_path / "t"))).start()
+    t = Tracer(TracerOptions(str(tmp_path / "t"), tensors=True)).start()
     try:
         for cls, name in TARGETS:
             assert hasattr(vars(cls)[name], "__pagedtrace_original__"), name

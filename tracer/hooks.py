@@ -149,6 +149,8 @@ class Tracer:
         self._fc: tuple[Any, str, int | None] | None = None  # set_forward_context's metadata, mode, padded size
         self._dispatch: tuple[str, int | None] | None = None  # the V2 runner's graph choice
         self._fwd_md: dict[str, Any] = {}  # request steps: the metadata forward() saw, per layer
+        #: this request step's layers forward() may pass by at once (not traced): the wrapper's fast path
+        self.untraced_now: dict[str, bool] = {}
         self._step_tensors: dict[str, dict[str, Any]] = {}
         self._staging = GRAPH_STAGING  # tensors the captured full graphs copy out on every replay
         self.stats = {"records": 0, "gaps": 0, "tensor_files": 0, "ring_waits": 0}
@@ -238,7 +240,8 @@ class Tracer:
             if cls is None:
                 continue
             self._patch(cls, "forward", functools.partial(wrappers.forward, self))
-            self._patch(cls, "do_kv_cache_update", functools.partial(wrappers.kv_update, self))
+            if self.options.tensors:  # only tensor traces need what the cache write sees
+                self._patch(cls, "do_kv_cache_update", functools.partial(wrappers.kv_update, self))
         for module_name, cls_name in RUNNER_TARGETS:
             cls = import_attr(module_name, cls_name)
             if cls is None:
@@ -339,6 +342,7 @@ class Tracer:
         self._fc = None
         self._dispatch = None
         self._fwd_md = {}
+        self.untraced_now = {}
         self._step_tensors = {}
         self._kv_inputs.clear()
         self._logged_now = set()
@@ -351,6 +355,7 @@ class Tracer:
             # and the tensors. Every layer passes here each step: layers not traced return at once.
             self._model_ran = True
             if not self._wants(name):
+                self.untraced_now[name] = True  # the rest of this step: the wrapper returns at once
                 return
             if self.options.layers == "first" and self._layer_locked is None:
                 self._layer_locked = name
@@ -462,6 +467,7 @@ class Tracer:
         return ids + ("",) * (num_reqs - len(ids))
 
     def _end_step(self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict) -> None:
+        self.untraced_now = {}  # the fast path holds within one request step only
         try:
             if method == "execute_model" and kind == "request":
                 self._end_request_step(runner, args, kwargs)
