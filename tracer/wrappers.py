@@ -147,7 +147,7 @@ def forward(tracer: Tracer, original):
     @functools.wraps(original)
     def forward(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         result = original(impl, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        if tracer.untraced_now.get(getattr(layer, "layer_name", None)):  # a request step's untraced layer
+        if tracer.untraced_now.get(getattr(layer, "layer_name", "")):  # a request step's untraced layer
             return result
         try:
             tracer._on_forward(impl, layer, query, kv_cache, attn_metadata, output)
