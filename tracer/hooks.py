@@ -176,11 +176,7 @@ class Tracer:
                 self._uninstall()
                 raise RuntimeError("no vLLM attention backend found to trace (is vLLM 0.26 installed?)")
             self._thread = WriterThread(
-                self._pool,
-                self._sink.handle_slot,
-                self._on_writer_error,
-                throttle=self._throttle,
-                idle=self._sink.flush,
+                self._pool, self._sink.handle_slot, self._on_writer_error, throttle=self._throttle
             )
             _ACTIVE = self
             if export_env:

@@ -130,8 +130,7 @@ class WriterThread:
     """Drains slots in order: waits for each one's event, then ``handle(slot)``, then frees it.
 
     ``handle`` runs on this thread (records, JSON, files); an exception in it is passed to
-    ``on_error`` once and later slots are only released. ``idle`` runs after a slot when
-    nothing else is queued (the sink flushes its lines then). ``throttle`` (tests): seconds to
+    ``on_error`` once and later slots are only released. ``throttle`` (tests): seconds to
     sleep before each slot, a slow disk.
     """
 
@@ -142,12 +141,10 @@ class WriterThread:
         on_error: Callable[[BaseException], None],
         *,
         throttle: float = 0.0,
-        idle: Callable[[], None] | None = None,
     ):
         self.pool = pool
         self._handle = handle
         self._on_error = on_error
-        self._idle = idle
         self._queue: queue.Queue[Slot | None] = queue.Queue()
         self._failed = False
         self.throttle = throttle
@@ -181,8 +178,6 @@ class WriterThread:
                         if slot.event is not None and slot.recorded:
                             slot.event.synchronize()
                         self._handle(slot)
-                        if self._idle is not None and self._queue.empty():
-                            self._idle()  # once per burst of steps, not per step
                     except BaseException as exc:  # noqa: BLE001 - the engine must run on
                         self._failed = True
                         self._on_error(exc)

@@ -164,22 +164,13 @@ class TraceSink:
                     layer=first.layer if first else "",
                 )
                 self._manifest_written = first is not None
-            stored = writer.append(record, tensors, flush=False)  # flushed when the writer is idle
+            stored = writer.append(record, tensors)
             if getattr(stored, "tensors", None):
                 self.stats["tensor_files"] += 1
         except OSError as exc:
             self.on_fail(
                 f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
             )
-
-    def flush(self) -> None:
-        """Nothing is queued: put the lines written so far in the file (a killed engine keeps them)."""
-        if self._writer is None or self.failed:
-            return
-        try:
-            self._writer.flush()
-        except OSError as exc:
-            self.on_fail(f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops")
 
     def writer(self) -> TraceWriter:
         if self._writer is None:

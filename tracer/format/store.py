@@ -95,13 +95,10 @@ class TraceWriter:
         self,
         record: StepRecord | GapRecord,
         tensors: Mapping[str, torch.Tensor] | None = None,
-        *,
-        flush: bool = True,
     ) -> StepRecord | GapRecord:
         """Write ``tensors`` (if any, within budget) and one JSONL line; return the stored record.
 
-        ``flush=False`` leaves the line in the file's buffer until :meth:`flush` (the tracer's
-        writer thread flushes once it has nothing queued, not once per record).
+        The line is flushed at once: an engine killed right after keeps it.
         """
         if tensors and isinstance(record, StepRecord):
             size = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -120,13 +117,8 @@ class TraceWriter:
                 self.tensor_bytes += size
                 record = replace(record, tensors=name, tensor_names=tuple(sorted(tensors)))
         self._steps.write(json.dumps(record_to_json(record), separators=(",", ":")) + "\n")
-        if flush:
-            self._steps.flush()
-        return record
-
-    def flush(self) -> None:
-        """Push buffered lines of ``steps.jsonl`` to the file."""
         self._steps.flush()
+        return record
 
     def write_json(self, name: str, data: Any) -> None:
         """Write a side file such as ``session.json`` atomically."""
