@@ -27,6 +27,7 @@ Patched (when importable), with the wrappers of ``tracer.wrappers``:
 
 * ``vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward`` / ``.do_kv_cache_update``
 * ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` / ``.do_kv_cache_update``
+  (``do_kv_cache_update`` only for a tensor trace)
 * the V1 and V2 ``GPUModelRunner`` (``CPUModelRunner`` inherits V1): ``execute_model``,
   ``_dummy_run``, ``profile_run``, ``capture_model``, ``prepare_inputs`` to number steps and
   tell profile / warm-up / request steps apart; the runner modules' ``set_forward_context``

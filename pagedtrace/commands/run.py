@@ -91,8 +91,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--cudagraph-mode",
         default=None,
         metavar="MODE",
-        help="use CUDA graphs in this mode (e.g. PIECEWISE, FULL_AND_PIECEWISE; with tensors a FULL mode runs "
-        "as PIECEWISE, --no-tensors keeps it); default: eager",
+        help="use CUDA graphs in this mode (e.g. PIECEWISE, FULL_AND_PIECEWISE; tensors are recorded in every "
+        "mode, full graphs included); default: eager",
     )
     p.add_argument("--multiprocess", action="store_true", help="run vLLM's engine core in its own process")
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype, e.g. fp8 (default: %(default)s)")
