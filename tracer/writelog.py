@@ -134,10 +134,20 @@ class WriteLog:
         *,
         reset: bool,
     ) -> tuple[int, list[int], bool]:
-        """Return (epoch, the blocks to store whole, whether this is a check step); update the state."""
-        log = self._layer(layer, block_size, reset)
-        blocks, need = _needed(block_table, seq_lens, block_size)
-        return self.plan_blocks(layer, log, blocks, need, written_slots, block_size)
+        """Return (epoch, the blocks to store whole, whether this is a check step); update the state.
+
+        ``block_table``: each request's row, trimmed to the blocks it uses (as records hold them).
+        """
+        import numpy as np
+
+        rows = list(block_table)[: len(seq_lens)]
+        width = max((len(row) for row in rows), default=0)
+        table = np.zeros((len(rows), width), dtype=np.int64)
+        for r, row in enumerate(rows):
+            table[r, : len(row)] = row
+        # a row reads no further than its own blocks: the padding columns then read nothing
+        seq = [min(int(s), len(row) * block_size) for row, s in zip(rows, seq_lens, strict=False)]
+        return self.plan_table(layer, table, seq, written_slots, block_size, reset=reset)[:3]
 
     def plan_table(
         self,
@@ -156,20 +166,6 @@ class WriteLog:
         """
         import numpy as np
 
-        log = self._layer(layer, block_size, reset)
-        table = np.asarray(table, dtype=np.int64)
-        cols = table.shape[1] if table.ndim == 2 else 0
-        seq = np.asarray(seq_lens, dtype=np.int64)[: table.shape[0]]
-        used_grid = np.clip(seq[:, None] - np.arange(cols, dtype=np.int64)[None, :] * block_size, 0, block_size)
-        take = used_grid > 0
-        blocks = table[take]
-        epoch, new, check = self.plan_blocks(
-            layer, log, blocks, _mask(used_grid[take], block_size), written_slots, block_size
-        )
-        ids, first = np.unique(blocks, return_index=True)
-        return epoch, new, check, ids, np.flatnonzero(take)[first]
-
-    def _layer(self, layer: str, block_size: int, reset: bool) -> _LayerLog:
         if reset:
             self.invalidate(layer)
         log = self._layers.get(layer)
@@ -177,14 +173,13 @@ class WriteLog:
             epoch = self._next_epoch.get(layer, 0)
             self._next_epoch[layer] = epoch + 1
             log = self._layers[layer] = _LayerLog(epoch=epoch, known=_zeros(0, block_size))
-        return log
-
-    def plan_blocks(
-        self, layer: str, log: _LayerLog, blocks: Any, need: Any, written_slots: Any, block_size: int
-    ) -> tuple[int, list[int], bool]:
-        """The plan over ``blocks`` read (each with its token-offset mask ``need``)."""
-        import numpy as np
-
+        table = np.asarray(table, dtype=np.int64)
+        if table.ndim != 2:  # no requests: the host copy may have lost its column count
+            table = table.reshape(len(seq_lens), -1) if table.size else np.zeros((len(seq_lens), 0), dtype=np.int64)
+        seq = np.asarray(seq_lens, dtype=np.int64)
+        used = np.clip(seq[:, None] - np.arange(table.shape[1], dtype=np.int64)[None, :] * block_size, 0, block_size)
+        take = used > 0
+        blocks, need = table[take], _mask(used[take], block_size)
         slots = np.asarray(written_slots, dtype=np.int64)
         top = max(int(blocks.max(initial=-1)), int(slots.max(initial=-1)) // block_size) + 1
         if top > log.known.shape[0]:
@@ -197,7 +192,8 @@ class WriteLog:
         known[new] = _mask(np.array([block_size]), block_size)[0]
         log.tensor_steps += 1
         check = self.check_every > 0 and (log.tensor_steps - 1) % self.check_every == 0
-        return log.epoch, new.tolist(), check
+        ids, first = np.unique(blocks, return_index=True)
+        return log.epoch, new.tolist(), check, ids, np.flatnonzero(take)[first]
 
 
 def _zeros(n: int, block_size: int) -> Any:
@@ -221,19 +217,3 @@ def _mask(used: Any, block_size: int) -> Any:
     used = np.asarray(used, dtype=np.uint64)
     shifted = np.left_shift(np.uint64(1), np.minimum(used, np.uint64(63))) - np.uint64(1)
     return np.where(used >= 64, np.uint64(0xFFFFFFFFFFFFFFFF), shifted)
-
-
-def _needed(block_table: Sequence[Sequence[int]], seq_lens: Sequence[int], block_size: int) -> tuple[Any, Any]:
-    """Every (block, token-offset mask) the step reads: each row's blocks up to its ``seq_len``."""
-    import numpy as np
-
-    lengths = [min(len(row), max(0, -(-int(s) // block_size))) for row, s in zip(block_table, seq_lens, strict=False)]
-    total = sum(lengths)
-    blocks = np.fromiter(
-        (b for row, n in zip(block_table, lengths, strict=False) for b in row[:n]), dtype=np.int64, count=total
-    )
-    row_seq = np.repeat(np.asarray(seq_lens[: len(lengths)], dtype=np.int64), lengths)
-    starts = np.cumsum([0, *lengths[:-1]]) if lengths else np.zeros(0, dtype=np.int64)
-    col = np.arange(total, dtype=np.int64) - np.repeat(np.asarray(starts, dtype=np.int64), lengths)
-    used = np.clip(row_seq - col * block_size, 0, block_size)
-    return blocks, _mask(used, block_size)
