@@ -446,9 +446,8 @@ class Tracer:
             for value in tensors.values():
                 if hasattr(value, "element_size"):
                     self._pool.hold(slot, value.numel() * value.element_size())
-        record_event(
-            slot, cuda_available(), blocking=self._blocking_events
-        )  # after every copy and clone above: the writer waits for it
+        # after every copy and clone above: the writer waits for it
+        record_event(slot, cuda_available(), blocking=self._blocking_events)
         slot.payload["captures"].append(
             LayerCapture(self.step, capture_kind, static, metadata, host, req_ids, scales, tensors, reset)
         )

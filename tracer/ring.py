@@ -98,8 +98,8 @@ class SlotPool:
 
 
 #: How the writer thread waits for a slot's event (``PAGEDTRACE_EVENT_WAIT``): ``blocking`` (the
-#: default) sleeps in the driver; ``spin`` busy-waits, as a default ``torch.cuda.Event`` does. A
-#: spinning waiter holds a core and the driver's locks while the engine's thread launches kernels.
+#: default) sleeps in the driver; ``spin`` busy-waits, as a default ``torch.cuda.Event`` does, and
+#: keeps a core busy. On the H200 the two gave the same throughput (``scripts/h200_overhead_probe.py``).
 ENV_EVENT_WAIT = "PAGEDTRACE_EVENT_WAIT"
 
 

@@ -84,8 +84,8 @@ class TraceSink:
         """The write-log tensors of one record.
 
         Every device-to-host copy is queued at once on the writer's own stream into pinned
-        memory, then one blocking event is waited for: the writer sleeps instead of spinning
-        in a synchronous copy (which would hold the driver while the engine launches kernels).
+        memory, then one event is waited for (blocking, unless ``PAGEDTRACE_EVENT_WAIT=spin``),
+        rather than a synchronous copy per tensor.
         """
         import numpy as np
         import torch
