@@ -12,13 +12,20 @@ layer whose scales vLLM does not recompute (``calculate_kv_scales`` off) is read
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from tracer.format import StepRecord
 
-__all__ = ["LayerCapture", "LayerStatic", "capture_scales", "dtype_name", "host_lists", "read_static_floats"]
+__all__ = [
+    "LayerCapture",
+    "LayerStatic",
+    "capture_scales",
+    "dtype_name",
+    "host_lists",
+    "read_static_floats",
+    "trimmed_table",
+]
 
 #: The attention layer's fp8 scales as ``StepRecord`` fields -> the layer attributes holding them:
 #: the device tensor FlashAttention is given as ``{q,k,v}_descale``, then the host float vLLM
@@ -77,10 +84,7 @@ class LayerCapture:
         """The record, from the host views (the slot's event has fired)."""
         lists = host_lists(self.host)
         seq_lens = lists["seq_lens"]
-        block_size = self.static.block_size
-        block_table = tuple(
-            tuple(row[: math.ceil(s / block_size)]) for row, s in zip(lists["block_table"], seq_lens, strict=False)
-        )
+        block_table = trimmed_table(lists, self.static.block_size)
         scales = self.static.scales if self.scales is None else {k: _scale_value(v) for k, v in self.scales.items()}
         return StepRecord(
             alibi_slopes=self.static.alibi_slopes,
@@ -108,11 +112,25 @@ def host_lists(host: dict[str, Any]) -> dict[str, Any]:
         lists = {
             "query_start_loc": tuple(host["query_start_loc"].tolist()),
             "seq_lens": tuple(host["seq_lens"].tolist()),
-            "block_table": [tuple(row) for row in host["block_table"].tolist()],
+            "block_table": host["block_table"].tolist(),  # rows as lists, trimmed by trimmed_table
             "slot_mapping": tuple(host["slot_mapping"].tolist()),
         }
         host["_lists"] = lists
     return lists
+
+
+def trimmed_table(lists: dict[str, Any], block_size: int) -> tuple[tuple[int, ...], ...]:
+    """``StepRecord.block_table``: each row cut to the ``ceil(seq_len / block_size)`` blocks it uses.
+
+    Made once per slot and block size (the layers of one KV-cache group share it).
+    """
+    key = f"_table{block_size}"
+    table = lists.get(key)
+    if table is None:
+        table = lists[key] = tuple(
+            tuple(row[: -(-s // block_size)]) for row, s in zip(lists["block_table"], lists["seq_lens"], strict=False)
+        )
+    return table
 
 
 def read_static_floats(static: LayerStatic) -> None:

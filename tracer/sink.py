@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tracer.format import GapRecord, RunInfo, StepRecord, TraceWriter
+from tracer.jsonline import encode_line
 from tracer.manifest import tp_rank, write_manifest
 from tracer.options import TracerOptions
 from tracer.pending import LayerCapture, read_static_floats
@@ -178,7 +179,9 @@ class TraceSink:
             rank = tp_rank()
             if rank:  # tensor-parallel workers other than rank 0 write a trace of their own
                 directory = directory / f"rank{rank}"
-            self._writer = TraceWriter(directory, tensor_budget_bytes=self.options.budget_bytes)
+            self._writer = TraceWriter(
+                directory, tensor_budget_bytes=self.options.budget_bytes, encode_line=encode_line
+            )
         return self._writer
 
     def finish(self) -> None:

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -57,6 +57,10 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _json_line(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
 def tensor_file_name(step: int, layer: str) -> str:
     """File name (under ``tensors/``) for one step's tensors of one layer."""
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in layer)
@@ -67,11 +71,20 @@ class TraceWriter:
     """Append records and tensors to a trace directory.
 
     Used off the engine's hot path (the hooks queue, the writer writes). A tensor
-    byte budget stops tensor capture, never record capture, once spent.
+    byte budget stops tensor capture, never record capture, once spent. ``encode_line``
+    turns a record's JSON object into its line (no newline); the default is ``json.dumps``,
+    and the tracer passes a faster encoder that reads back the same (``tracer.jsonline``).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, tensor_budget_bytes: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        tensor_budget_bytes: int | None = None,
+        encode_line: Callable[[dict[str, Any]], str] | None = None,
+    ):
         self.path = Path(path)
+        self._encode_line = encode_line or _json_line
         self.tensor_budget_bytes = tensor_budget_bytes
         self.tensor_bytes = 0
         self.budget_exhausted = False
@@ -116,7 +129,7 @@ class TraceWriter:
                 )
                 self.tensor_bytes += size
                 record = replace(record, tensors=name, tensor_names=tuple(sorted(tensors)))
-        self._steps.write(json.dumps(record_to_json(record), separators=(",", ":")) + "\n")
+        self._steps.write(self._encode_line(record_to_json(record)) + "\n")
         self._steps.flush()
         return record
 

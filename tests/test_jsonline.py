@@ -1,0 +1,72 @@
+"""The writer thread's JSON encoder (``tracer.jsonline``): every line reads back as ``json.dumps``'s did."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.factories import run_info, step_record
+from tracer.format import Trace, TraceWriter
+from tracer.jsonline import encode_line
+from tracer.options import TracerOptions
+from tracer.sink import TraceSink
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _lines() -> list[str]:
+    lines = []
+    for path in sorted(FIXTURES.glob("*/steps.jsonl")):
+        lines += path.read_text(encoding="utf-8").splitlines()
+    return lines
+
+
+def test_every_fixture_line_reads_back_the_same():
+    lines = _lines()
+    assert len(lines) > 100
+    for line in lines:
+        obj = json.loads(line)
+        # Python's repr of each value (floats bit for bit) after a round trip through the encoder.
+        assert json.dumps(json.loads(encode_line(obj))) == json.dumps(obj)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"scale": math.nan},
+        {"logits_soft_cap": math.inf},
+        {"sinks": [0.5, -math.inf]},
+        {"inner": {"k_scale": math.nan}},
+    ],
+)
+def test_a_non_finite_float_is_written_as_json_writes_it(obj):
+    assert encode_line(obj) == json.dumps(obj, separators=(",", ":"))
+    assert "null" not in encode_line(obj)
+
+
+def test_a_lone_surrogate_falls_back_to_json():
+    obj = {"layer": "model.\ud800.attn"}
+    assert encode_line(obj) == json.dumps(obj, separators=(",", ":"))
+
+
+def test_floats_and_big_ints_keep_their_values():
+    obj = {"a": 1e-05, "b": 0.1 + 0.2, "c": -0.0, "d": 5e-324, "e": 2**70, "f": [1.5, 2.25], "g": None}
+    back = json.loads(encode_line(obj))
+    assert back == obj
+    assert math.copysign(1.0, back["c"]) == -1.0
+
+
+def test_a_writer_with_the_encoder_writes_a_trace_that_opens(tmp_path):
+    record = step_record(step=3, num_heads=2, num_kv_heads=1, head_size=4, scale=0.08838834764831845)
+    with TraceWriter(tmp_path / "t", encode_line=encode_line) as writer:
+        writer.write_manifest(run_info())
+        writer.append(record)
+    assert Trace.open(tmp_path / "t").records == [record]
+
+
+def test_the_tracer_writes_with_it(tmp_path):
+    sink = TraceSink(TracerOptions(str(tmp_path / "t")), on_fail=print)
+    assert sink.writer()._encode_line is encode_line
