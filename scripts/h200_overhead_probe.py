@@ -13,8 +13,10 @@ round so drift cancels. Variants:
                       tracer started before the engine, then stopped: ``tracer.staging``)
 * ``tensors-l0-ring8`` the same with an 8-slot ring (``PAGEDTRACE_RING_SLOTS=8``, the old default)
 
-Prints each variant's median seconds and its ratio to the untraced median, whether greedy
-tokens matched the untraced pass of the round, and a cProfile of one metadata pass.
+Prints each variant's median seconds and its ratio to the untraced median, the median of the
+per-round ratios (each pass against the untraced pass of its own round) and best over best,
+whether greedy tokens matched the untraced pass of the round, the seconds each pass spent in
+Python's garbage collector, and a cProfile of one metadata pass.
 
     python3 scripts/h200_overhead_probe.py [--mode PIECEWISE] [--rounds 3] [--json OUT.json]
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -92,7 +95,18 @@ def main() -> None:
         capture_tracer.stop()
         print(f"capture tracer: {capture_tracer.stats}; staged graphs: {len(capture_tracer._staging)}")
 
+    gc_pause = [0.0, 0.0]  # seconds in the collector during the timed pass, start of the current collection
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_pause[1] = time.perf_counter()
+        else:
+            gc_pause[0] += time.perf_counter() - gc_pause[1]
+
+    gc.callbacks.append(on_gc)
+
     def timed(bs: list[list]) -> tuple[float, list]:
+        gc_pause[0] = 0.0
         t0 = time.perf_counter()
         tokens = []
         for b in bs:
@@ -102,7 +116,7 @@ def main() -> None:
     def run(variant: str, bs: list[list]) -> tuple[float, list, dict]:
         if variant == "untraced":
             s, tok = timed(bs)
-            return s, tok, {}
+            return s, tok, {"gc_s": round(gc_pause[0], 4)}
         os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
@@ -116,7 +130,7 @@ def main() -> None:
         t.stop()
         os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)
-        return s, tok, {"error": t.error, **t.stats}
+        return s, tok, {"error": t.error, "gc_s": round(gc_pause[0], 4), **t.stats}
 
     results: dict[str, list[float]] = {v: [] for v in variants}
     same: dict[str, list[bool]] = {v: [] for v in variants}
@@ -144,10 +158,24 @@ def main() -> None:
     for v in variants:
         med = statistics.median(results[v])
         ratio = med / base if base else None
-        summary[v] = {"median_s": med, "all_s": results[v], "x_untraced": ratio, "same_tokens": all(same[v])}
+        # Paired: each round's pass over the untraced pass of the same round (same prompts, next to
+        # each other in time), and best over best: the least noisy estimates on a CPU-bound engine.
+        paired = (
+            [t / u for t, u in zip(results[v], results["untraced"], strict=True)] if results.get("untraced") else []
+        )
+        paired_med = statistics.median(paired) if paired else None
+        best = min(results[v]) / min(results["untraced"]) if results.get("untraced") else None
+        summary[v] = {
+            "median_s": med,
+            "all_s": results[v],
+            "x_untraced": ratio,
+            "x_untraced_paired_median": paired_med,
+            "x_untraced_best": best,
+            "same_tokens": all(same[v]),
+        }
         print(
-            f"{args.mode:18s} {v:14s} {med:.3f} s  ({ratio:.3f}x)  all {[round(x, 3) for x in results[v]]}  "
-            f"same tokens {all(same[v])}"
+            f"{args.mode:18s} {v:14s} {med:.3f} s  ({_x(ratio)}; paired median {_x(paired_med)}; best/best "
+            f"{_x(best)})  all {[round(x, 3) for x in results[v]]}  same tokens {all(same[v])}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"mode": args.mode, "summary": summary, "stats": stats}, indent=1))
@@ -163,6 +191,10 @@ def main() -> None:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats("tracer", 12)
     print(out.getvalue()[:3500])
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.3f}x"
 
 
 if __name__ == "__main__":
