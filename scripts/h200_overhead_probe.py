@@ -8,6 +8,9 @@ round so drift cancels. Variants:
 * ``untraced``
 * ``metadata``        the metadata tracer (writer waits on blocking CUDA events)
 * ``metadata-spin``   the same, events busy-waited (``PAGEDTRACE_EVENT_WAIT=spin``; the old tracer)
+* ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
+                      thread and of the writer's handling of each slot summed (``tracer_main_ms``,
+                      ``writer_ms``, per step): what it can take from a launch-bound engine at most
 * ``runner-off``      the wrappers only: the runner-level capture of each step does nothing
 * ``tensors-l0``      tensors for layer 0 (in a full-graph mode the copies were captured by a
                       tracer started before the engine, then stopped: ``tracer.staging``)
@@ -124,13 +127,32 @@ def main() -> None:
         t = tracer.start(tempfile.mkdtemp(), export_env=False, **kw)
         if variant == "runner-off":
             t._end_request_step = lambda *a, **k: None
+        spent = {"main_s": 0.0, "writer_s": 0.0}
+        if variant == "metadata-acct":
+            # Time every call into the tracer from the engine's thread, and the writer's handling of
+            # each slot (after its event fired): CPU the tracer takes from a launch-bound engine.
+            for name in ("_begin_step", "_end_step", "_on_forward"):
+                setattr(t, name, _timed(getattr(t, name), spent, "main_s"))
+            t._thread._handle = _timed(t._thread._handle, spent, "writer_s")
         # Untimed: the trace's first record writes its manifest; slot buffers get pinned.
         llm.generate(bs[0][:2], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
+        spent.update(main_s=0.0, writer_s=0.0)
+        steps0 = t.step
         s, tok = timed(bs)
+        steps = t.step - steps0
         t.stop()
         os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)
-        return s, tok, {"error": t.error, "gc_s": round(gc_pause[0], 4), **t.stats}
+        acct = {}
+        if variant == "metadata-acct":
+            acct = {
+                "steps": steps,
+                "tracer_main_ms": round(spent["main_s"] * 1e3, 2),
+                "writer_ms": round(spent["writer_s"] * 1e3, 2),
+                "main_us_per_step": round(spent["main_s"] / max(steps, 1) * 1e6, 1),
+                "writer_us_per_step": round(spent["writer_s"] / max(steps, 1) * 1e6, 1),
+            }
+        return s, tok, {"error": t.error, "gc_s": round(gc_pause[0], 4), **acct, **t.stats}
 
     results: dict[str, list[float]] = {v: [] for v in variants}
     same: dict[str, list[bool]] = {v: [] for v in variants}
@@ -191,6 +213,19 @@ def main() -> None:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumtime").print_stats("tracer", 12)
     print(out.getvalue()[:3500])
+
+
+def _timed(fn, spent: dict[str, float], key: str):
+    """``fn``, adding the seconds each call takes to ``spent[key]``."""
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[key] += time.perf_counter() - t0
+
+    return timed
 
 
 def _x(ratio: float | None) -> str:
