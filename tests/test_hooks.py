@@ -39,22 +39,37 @@ def test_a_metadata_tracer_leaves_the_cache_write_alone(tmp_path):
         assert not hasattr(vars(cpu_attn.CPUAttentionBackendImpl)["do_kv_cache_update"], "__pagedtrace_original__")
 
 
-def test_an_untraced_layer_of_a_request_step_passes_forward_at_once(tmp_path):
+def test_a_layer_no_step_traces_is_passed_by_at_once_from_its_first_request_step(tmp_path):
     import types
 
     t = Tracer(TracerOptions(str(tmp_path / "t"), layers=(0,)))
-    seen = []
-    t._on_forward = lambda impl, layer, *rest: seen.append(layer.layer_name)  # what the slow path is given
-    forward = wrappers.forward(t, lambda impl, layer, q, k, v, kv, md, out: out)
     layers = [types.SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn") for i in range(3)]
-    t.untraced_now = {layers[1].layer_name: True, layers[2].layer_name: True}
-    for layer in layers:
-        assert forward(None, layer, None, None, None, None, object(), "out") == "out"
-    assert seen == [layers[0].layer_name]
-    t._end_step("execute_model", "profile", None, (), {})  # the step ends: every layer is looked at again
-    for layer in layers:
-        forward(None, layer, None, None, None, None, object(), "out")
-    assert seen == [layers[0].layer_name, *(layer.layer_name for layer in layers)]
+    forward = wrappers.forward(t, lambda impl, layer, q, k, v, kv, md, out: out)
+    asked = []  # the layers that reach the tracer's slow path
+    on_forward = t._on_forward
+
+    def slow_path(impl, layer, *rest):
+        asked.append(layer.layer_name)
+        if layer is not layers[0]:  # the traced layer would need a real impl and cache: stop there
+            on_forward(impl, layer, *rest)
+
+    t._on_forward = slow_path
+
+    def model(runner, *args, **kwargs):
+        return [forward(None, layer, None, None, None, None, object(), "out") for layer in layers]
+
+    step = wrappers.runner(t, "execute_model")(model)
+    runner = types.SimpleNamespace(vllm_config=None)
+    assert step(runner) == ["out"] * 3
+    assert asked == [layer.layer_name for layer in layers]
+    assert t.never_traced == {layers[1].layer_name: True, layers[2].layer_name: True}
+    asked.clear()
+    step(runner)
+    step(runner)
+    assert asked == [layers[0].layer_name] * 2  # layers 1 and 2 never reach the tracer again
+    assert t.untraced_now == {}  # outside a request step every call is looked at (warm-up, capture)
+    forward(None, layers[1], None, None, None, None, object(), "out")
+    assert asked[-1] == layers[1].layer_name
 
 
 def test_start_patches_and_stop_restores(tmp_path):

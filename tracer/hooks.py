@@ -150,7 +150,10 @@ class Tracer:
         self._fc: tuple[Any, str, int | None] | None = None  # set_forward_context's metadata, mode, padded size
         self._dispatch: tuple[str, int | None] | None = None  # the V2 runner's graph choice
         self._fwd_md: dict[str, Any] = {}  # request steps: the metadata forward() saw, per layer
-        #: this request step's layers forward() may pass by at once (not traced): the wrapper's fast path
+        #: layers no request step traces (``options.layers`` rules them out, for good)
+        self.never_traced: dict[str, bool] = {}
+        #: the forward wrapper's fast path: layers it passes by at once. ``never_traced`` while a
+        #: request step runs (``tracer.wrappers.runner`` sets it), empty otherwise
         self.untraced_now: dict[str, bool] = {}
         self._step_tensors: dict[str, dict[str, Any]] = {}
         self._staging = GRAPH_STAGING  # tensors the captured full graphs copy out on every replay
@@ -352,7 +355,10 @@ class Tracer:
             # and the tensors. Every layer passes here each step: layers not traced return at once.
             self._model_ran = True
             if not self._wants(name):
-                self.untraced_now[name] = True  # the rest of this step: the wrapper returns at once
+                if not self._selected(name):
+                    # Every later request step too: from now on the wrapper returns at once (each
+                    # layer's forward runs once a step, so a per-step mark would never be read).
+                    self.never_traced[name] = True
                 return
             if self.options.layers == "first" and self._layer_locked is None:
                 self._layer_locked = name
@@ -463,7 +469,7 @@ class Tracer:
         return ids + ("",) * (num_reqs - len(ids))
 
     def _end_step(self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict) -> None:
-        self.untraced_now = {}  # the fast path holds within one request step only
+        self.untraced_now = {}  # the fast path holds inside request steps only
         try:
             if method == "execute_model" and kind == "request":
                 self._end_request_step(runner, args, kwargs)

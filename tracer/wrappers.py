@@ -73,6 +73,8 @@ def runner(tracer: Tracer, method: str):
                 tracer._in_capture += 1
             tracer._phase.append(effective)
             tracer._depth += counts_step
+            if new_step and effective == "request":
+                tracer.untraced_now = tracer.never_traced  # forward's fast path, for this step
             try:
                 return original(runner, *args, **kwargs)
             finally:
