@@ -70,3 +70,28 @@ def test_a_writer_with_the_encoder_writes_a_trace_that_opens(tmp_path):
 def test_the_tracer_writes_with_it(tmp_path):
     sink = TraceSink(TracerOptions(str(tmp_path / "t")), on_fail=print)
     assert sink.writer()._encode_line is encode_line
+
+
+@pytest.mark.parametrize("key", ["scale", "q_scale", "sinks", "alibi_slopes", "logits_soft_cap"])
+def test_a_non_finite_float_in_a_step_line_is_found_by_its_field(key):
+    line = json.loads(next(x for x in _lines() if '"type":"step"' in x))
+    line[key] = [0.25, math.inf] if key in ("sinks", "alibi_slopes") else math.nan
+    assert encode_line(line) == json.dumps(line, separators=(",", ":"))
+
+
+def test_to_json_is_every_field_in_order_and_reads_back():
+    import dataclasses
+
+    from tracer.format import RunInfo, record_from_json, record_to_json
+
+    for path in sorted(FIXTURES.glob("*/manifest.json")):
+        trace = Trace.open(path.parent)
+        run = trace.run
+        as_json = run.to_json()
+        assert list(as_json) == [f.name for f in dataclasses.fields(RunInfo)]
+        assert isinstance(as_json["kv_cache"], dict)  # the nested record, as its own object
+        assert RunInfo.from_json(json.loads(json.dumps(as_json)), run.format_version) == run
+        for record in [*trace.records, *trace.gaps][:50]:
+            obj = record_to_json(record)
+            assert list(obj)[1:] == [f.name for f in dataclasses.fields(record)]
+            assert record_from_json(json.loads(encode_line(obj))) == record

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+import typing
 from typing import Any
+
+from tracer.format import StepRecord
 
 __all__ = ["encode_line"]
 
@@ -35,12 +38,27 @@ def encode_line(obj: dict[str, Any]) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+#: The keys of a ``StepRecord``'s JSON that can hold a float (a float, or a tuple of them);
+#: every other value of a step or gap line is an int, a string, a bool, None or a tuple of those.
+FLOAT_KEYS = tuple(sorted(name for name, hint in typing.get_type_hints(StepRecord).items() if "float" in str(hint)))
+
+
 def _finite(obj: dict[str, Any]) -> bool:
     """No float in ``obj`` is NaN or infinite.
 
-    A record's floats sit at its top level, in a flat tuple of floats (ALiBi slopes, sinks)
-    or in a nested record; lists of ints (block tables, slot mappings) are not walked.
+    A step or gap line (``"type"`` ``step``/``gap``) is asked only for :data:`FLOAT_KEYS`; any
+    other object is walked: its floats sit at its top level, in a flat tuple of floats or in a
+    nested object (lists of ints, such as block tables, are not walked).
     """
+    if obj.get("type") in ("step", "gap"):
+        for key in FLOAT_KEYS:
+            value = obj.get(key)
+            if isinstance(value, float):
+                if not math.isfinite(value):
+                    return False
+            elif isinstance(value, (tuple, list)) and not all(math.isfinite(x) for x in value if isinstance(x, float)):
+                return False
+        return True
     for value in obj.values():
         if isinstance(value, float):
             if not math.isfinite(value):

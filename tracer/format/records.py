@@ -72,13 +72,18 @@ class _JsonRecord:
     """
 
     def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict (tuples become lists)."""
-        out = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
+        """Return a JSON-ready dict, fields in their order; a nested record becomes its own dict.
+
+        Tuples stay tuples (``json`` writes them as lists). The tracer's writer thread calls this
+        for every record, so the field names come from a per-class cache.
+        """
+        names, nested = _json_names(type(self))
+        values = self.__dict__
+        out = {name: values[name] for name in names}
+        for name in nested:
+            value = out[name]
             if isinstance(value, _JsonRecord):
-                value = value.to_json()
-            out[f.name] = value
+                out[name] = value.to_json()
         return out
 
     @classmethod
@@ -114,6 +119,24 @@ class _JsonRecord:
 
 
 _HINTS: dict[str, dict[str, Any]] = {}
+_JSON_NAMES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _json_names(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A record class's field names, and those whose annotation can hold a nested record."""
+    names = _JSON_NAMES.get(cls)
+    if names is None:
+        fields = dataclasses.fields(cls)
+        hints = _hints(cls)
+        nested = tuple(f.name for f in fields if _mentions_record(hints[f.name]))
+        names = _JSON_NAMES[cls] = (tuple(f.name for f in fields), nested)
+    return names
+
+
+def _mentions_record(hint: Any) -> bool:
+    if isinstance(hint, type) and issubclass(hint, _JsonRecord):
+        return True
+    return any(_mentions_record(arg) for arg in typing.get_args(hint))
 
 
 def _hints(cls: type) -> dict[str, Any]:
