@@ -7,6 +7,8 @@ round so drift cancels. Variants:
 
 * ``untraced``
 * ``metadata``        the metadata tracer (writer waits on blocking CUDA events)
+* ``metadata-thread`` the metadata tracer with its records built on the writer thread
+                      (``PAGEDTRACE_WRITER=thread``; by default a process of their own builds them)
 * ``metadata-spin``   the same, events busy-waited (``PAGEDTRACE_EVENT_WAIT=spin``; the old tracer)
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
                       thread and of the writer's handling of each slot summed (``tracer_main_ms``,
@@ -121,6 +123,7 @@ def main() -> None:
             s, tok = timed(bs)
             return s, tok, {"gc_s": round(gc_pause[0], 4)}
         os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
+        os.environ["PAGEDTRACE_WRITER"] = "thread" if variant == "metadata-thread" else "process"
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
         kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}
@@ -142,6 +145,7 @@ def main() -> None:
         steps = t.step - steps0
         t.stop()
         os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
+        os.environ.pop("PAGEDTRACE_WRITER", None)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)
         acct = {}
         if variant == "metadata-acct":

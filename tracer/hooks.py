@@ -222,6 +222,7 @@ class Tracer:
         self._submit_slot()
         if self._thread is not None:
             self._thread.drain()
+            self._sink.sync()
 
     def __enter__(self) -> Tracer:
         return self.start()

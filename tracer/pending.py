@@ -23,6 +23,7 @@ __all__ = [
     "capture_scales",
     "dtype_name",
     "host_lists",
+    "make_record",
     "read_static_floats",
     "trimmed_table",
 ]
@@ -82,27 +83,39 @@ class LayerCapture:
 
     def record(self) -> StepRecord:
         """The record, from the host views (the slot's event has fired)."""
-        lists = host_lists(self.host)
-        seq_lens = lists["seq_lens"]
-        block_table = trimmed_table(lists, self.static.block_size)
+        return make_record(self.record_fields(), host_lists(self.host), self.static.block_size)
+
+    def record_fields(self) -> dict[str, Any]:
+        """The record's fields that are not read from the host views: Python numbers and strings.
+
+        With :func:`make_record` (and the host views' lists) they make the record; the
+        writer process (``tracer.writer_process``) gets them as they are.
+        """
         scales = self.static.scales if self.scales is None else {k: _scale_value(v) for k, v in self.scales.items()}
-        return StepRecord(
-            alibi_slopes=self.static.alibi_slopes,
-            sinks=self.static.sinks,
-            step=self.step,
-            layer=self.layer,
-            kind=self.kind,
-            request_ids=self.req_ids,
-            query_start_loc=lists["query_start_loc"],
-            seq_lens=seq_lens,
-            block_table=block_table,
-            slot_mapping=lists["slot_mapping"],
-            q_scale=(scales or {}).get("q_scale"),
-            k_scale=(scales or {}).get("k_scale"),
-            v_scale=(scales or {}).get("v_scale"),
-            query_dtype=self.static.query_dtype,
+        return {
+            "alibi_slopes": self.static.alibi_slopes,
+            "sinks": self.static.sinks,
+            "step": self.step,
+            "layer": self.layer,
+            "kind": self.kind,
+            "request_ids": self.req_ids,
+            "q_scale": (scales or {}).get("q_scale"),
+            "k_scale": (scales or {}).get("k_scale"),
+            "v_scale": (scales or {}).get("v_scale"),
+            "query_dtype": self.static.query_dtype,
             **self.metadata,
-        )
+        }
+
+
+def make_record(fields: dict[str, Any], lists: dict[str, Any], block_size: int) -> StepRecord:
+    """A ``StepRecord`` from :meth:`LayerCapture.record_fields` and :func:`host_lists`."""
+    return StepRecord(
+        query_start_loc=lists["query_start_loc"],
+        seq_lens=lists["seq_lens"],
+        block_table=trimmed_table(lists, block_size),
+        slot_mapping=lists["slot_mapping"],
+        **fields,
+    )
 
 
 def host_lists(host: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from tracer.pending import LayerCapture, read_static_floats
 from tracer.ring import Slot
 from tracer.runtime import cuda_available
 from tracer.writelog import WriteLog
+from tracer.writer_process import RecordProcess, host_message, writer_mode
 
 __all__ = ["TraceSink"]
 
@@ -49,6 +50,11 @@ class TraceSink:
         self._run_info: RunInfo | None = None  # the manifest on disk, once written
         self._side_stream: Any = None
         self.blocking_events = True  #: the tracer's ``PAGEDTRACE_EVENT_WAIT`` choice
+        #: Without tensors the records are built and written by a process of their own (off the
+        #: engine's GIL: ``tracer.writer_process``), unless ``PAGEDTRACE_WRITER=thread``.
+        self.records_out = (
+            RecordProcess(self.directory()) if not options.tensors and writer_mode() == "process" else None
+        )
 
     @property
     def budget_exhausted(self) -> bool:
@@ -64,6 +70,9 @@ class TraceSink:
 
     def handle_slot(self, slot: Slot) -> None:
         """The slot's copies have landed: write its records in order."""
+        if self.records_out is not None:
+            self.send_slot(slot)
+            return
         for item in slot.payload["captures"]:
             if self.failed:
                 return
@@ -80,6 +89,49 @@ class TraceSink:
                 record, tensors = self.log_tensors(item, record)
             self.write(record, tensors, item)
             self.stats["records"] += 1
+
+    def sync(self) -> None:
+        """Every record handed over so far is on disk (the record writer process has written it)."""
+        if self.records_out is not None and not self.records_out.sync() and not self.failed:
+            self.on_fail(self.records_out.error or "pagedtrace: the record writer process ended; tracing stops")
+
+    def send_slot(self, slot: Slot) -> None:
+        """A slot without tensors, to the record writer process: its host buffers and record fields.
+
+        What stays here is what needs the engine's objects: the layer's ALiBi slopes and sinks
+        (read once), its scales, and the manifest (written before the first record is sent).
+        """
+        assert self.records_out is not None
+        hosts: list[dict[str, Any]] = []
+        host_index: dict[int, int] = {}
+        items: list[list[Any]] = []
+        try:
+            for item in slot.payload["captures"]:
+                if self.failed:
+                    return
+                if isinstance(item, GapRecord):
+                    self._ensure_manifest(None)
+                    items.append(["gap", item.to_json()])
+                    self.stats["gaps"] += 1
+                    continue
+                read_static_floats(item.static)
+                self._ensure_manifest(item)
+                fields = item.record_fields()
+                if item.scales is not None and not getattr(item.static.module, "calculate_kv_scales", False):
+                    item.static.scales = {k: fields[k] for k in ("q_scale", "k_scale", "v_scale")}
+                index = host_index.get(id(item.host))
+                if index is None:
+                    index = host_index[id(item.host)] = len(hosts)
+                    hosts.append(host_message(item.host))
+                items.append(["step", index, item.static.block_size, fields])
+                self.stats["records"] += 1
+        except OSError as exc:
+            self.on_fail(
+                f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
+            )
+            return
+        if items and not self.records_out.send(hosts, items):
+            self.on_fail(self.records_out.error or "pagedtrace: the record writer process ended; tracing stops")
 
     def log_tensors(self, item: LayerCapture, record: StepRecord) -> tuple[StepRecord, dict[str, Any] | None]:
         """The write-log tensors of one record.
@@ -153,18 +205,7 @@ class TraceSink:
             return
         try:
             writer = self.writer()
-            if not self._manifest_written and (first is not None or self._run_info is None):
-                # A gap (the profile run) can come first: write what is known now, so a trace
-                # killed from here on opens; the first record's backend and cache complete it.
-                self._run_info = write_manifest(
-                    writer,
-                    self.options,
-                    self.vllm_config,
-                    impl=first.static.impl if first else None,
-                    kv_cache=first.static.kv_cache if first else None,
-                    layer=first.layer if first else "",
-                )
-                self._manifest_written = first is not None
+            self._ensure_manifest(first)
             stored = writer.append(record, tensors)
             if getattr(stored, "tensors", None):
                 self.stats["tensor_files"] += 1
@@ -173,19 +214,42 @@ class TraceSink:
                 f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
             )
 
+    def _ensure_manifest(self, first: LayerCapture | None) -> None:
+        """The manifest on disk before the first line of ``steps.jsonl``; raises ``OSError``.
+
+        A gap (the profile run) can come first: what is known then is written, so a trace killed
+        from there on opens; the first record's backend and cache (``first``) complete it.
+        """
+        if not self._manifest_written and (first is not None or self._run_info is None):
+            self._run_info = write_manifest(
+                self.writer(),
+                self.options,
+                self.vllm_config,
+                impl=first.static.impl if first else None,
+                kv_cache=first.static.kv_cache if first else None,
+                layer=first.layer if first else "",
+            )
+            self._manifest_written = first is not None
+
+    def directory(self) -> Path:
+        """The trace directory of this process: tensor-parallel ranks other than 0 write their own."""
+        directory = Path(self.options.directory)
+        rank = tp_rank()
+        return directory / f"rank{rank}" if rank else directory
+
     def writer(self) -> TraceWriter:
         if self._writer is None:
-            directory = Path(self.options.directory)
-            rank = tp_rank()
-            if rank:  # tensor-parallel workers other than rank 0 write a trace of their own
-                directory = directory / f"rank{rank}"
             self._writer = TraceWriter(
-                directory, tensor_budget_bytes=self.options.budget_bytes, encode_line=encode_line
+                self.directory(), tensor_budget_bytes=self.options.budget_bytes, encode_line=encode_line
             )
         return self._writer
 
     def finish(self) -> None:
-        """Close the trace; mark the manifest finished unless recording failed."""
+        """Close the trace (the record writer process first); mark the manifest finished unless recording failed."""
+        if self.records_out is not None:
+            error = self.records_out.close()
+            if error is not None and not self.failed:
+                self.on_fail(error)
         if self._writer is None:
             return
         if self._manifest_written and self._writer.budget_exhausted:

@@ -1,0 +1,210 @@
+"""A metadata trace's records, written by a process of their own so the engine keeps the GIL.
+
+The writer thread (``tracer.ring.WriterThread``) shares the engine's GIL. Turning a step into
+a ``StepRecord`` and a JSON line is pure Python (a few hundred µs a step on the H200 host),
+and in a launch-bound graph mode (PIECEWISE) the engine's thread waits for every µs of it.
+So for a trace without tensors the thread only waits for each slot's CUDA event (without
+the GIL), copies the slot's host buffers into one message with the record's other fields,
+and writes it to this module's process (:class:`RecordProcess`), which builds the records
+and appends them to ``steps.jsonl``, one flushed line each, exactly as the thread would.
+
+Messages on the child's stdin: a 4-byte little-endian length, then a msgpack list
+``[hosts, items]``. ``hosts``: one map per KV-cache group, name -> ``[dtype, shape, bytes]``
+of ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``. ``items``:
+``["gap", GapRecord JSON]``, ``["step", host index, block size, record fields]``
+(``tracer.pending.LayerCapture.record_fields``) or ``["sync"]``, which the child answers
+with :data:`SYNCED` on stdout once everything before it is written. End of input (the tracer stopped, or its
+process died) ends the child once everything it got is on disk. A write error ends it early:
+its one line goes to stdout, and the tracer reports it (``RecordProcess.close``).
+
+``PAGEDTRACE_WRITER=thread`` keeps the records on the writer thread (the child is only used
+for traces without tensors: tensor steps copy from the device on the writer thread).
+
+    python -m tracer.writer_process TRACE_DIR      (started by RecordProcess, not by hand)
+
+Imports the standard library, ``msgspec`` (a dependency of vLLM) and the bottom layer only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENV_WRITER", "RecordProcess", "host_message", "main", "writer_mode"]
+
+#: ``process`` (the default) or ``thread``: where a trace without tensors builds its records.
+ENV_WRITER = "PAGEDTRACE_WRITER"
+
+_LENGTH = struct.Struct("<I")
+#: The child's answer to ``["sync"]``: every record sent before it is written.
+SYNCED = b"synced\n"
+
+
+def writer_mode() -> str:
+    """``PAGEDTRACE_WRITER``: ``process`` (default) or ``thread``; anything else is a one-line ValueError."""
+    mode = (os.environ.get(ENV_WRITER) or "process").strip().lower()
+    if mode not in ("process", "thread"):
+        raise ValueError(f"{ENV_WRITER}={mode!r}: expected 'process' or 'thread'")
+    return mode
+
+
+def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
+    """One KV-cache group's host views (filled: the slot's event fired) as message fields."""
+    out = {}
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        array = host[name].numpy()
+        out[name] = [array.dtype.str, list(array.shape), array.tobytes()]
+    return out
+
+
+class RecordProcess:
+    """The child process that writes a trace's records (started on the first :meth:`send`)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._encode: Any = None
+        self._lock = threading.Lock()  # the writer thread sends, the engine's thread may sync (drain)
+        self.error: str | None = None  #: the child's one-line error, once it ended early
+
+    def send(self, hosts: list[dict[str, list[Any]]], items: list[list[Any]]) -> bool:
+        """Queue one slot's records; False once the child has ended (``error`` says why)."""
+        with self._lock:
+            if self.error is not None:
+                return False
+            if self._proc is None:
+                self._start()
+            proc = self._proc
+            assert proc is not None and proc.stdin is not None
+            payload = self._encode([hosts, items])
+            try:
+                proc.stdin.write(_LENGTH.pack(len(payload)) + payload)
+                proc.stdin.flush()
+            except OSError:  # the child ended early (BrokenPipeError): close() reads why
+                self._close()
+                return False
+            return True
+
+    def sync(self) -> bool:
+        """Wait until the child has written everything sent so far; False once it has ended."""
+        if self._proc is None:
+            return self.error is None
+        if not self.send([], [["sync"]]):
+            return False
+        with self._lock:
+            proc = self._proc
+            assert proc is not None and proc.stdout is not None
+            line = proc.stdout.readline()
+            if line == SYNCED:
+                return True
+            self._close(line.decode("utf-8", "replace").strip())
+            return False
+
+    def close(self) -> str | None:
+        """End of input; wait for the child to write what it has. Returns its error, if any."""
+        with self._lock:
+            return self._close()
+
+    def _close(self, said: str = "") -> str | None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return self.error
+        assert proc.stdin is not None and proc.stdout is not None
+        with contextlib.suppress(OSError):  # the child ended early: its error is on stdout
+            proc.stdin.close()
+        said = (said + "\n" + proc.stdout.read().decode("utf-8", "replace")).strip()
+        code = proc.wait()
+        if code != 0 and self.error is None:
+            self.error = said.splitlines()[-1] if said else f"the record writer process exited with code {code}"
+        return self.error
+
+    def _start(self) -> None:
+        import msgspec
+
+        self._encode = msgspec.msgpack.Encoder().encode
+        root = str(Path(__file__).resolve().parent.parent)  # the directory holding the tracer package
+        env = dict(os.environ)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tracer.writer_process", str(self.directory)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            close_fds=True,
+        )
+
+
+def _read_exact(stream: Any, n: int) -> bytes | None:
+    data = stream.read(n)
+    return data if data is not None and len(data) == n else None
+
+
+def _lists(host: dict[str, list[Any]]) -> dict[str, Any]:
+    import numpy as np
+
+    from tracer.pending import host_lists
+
+    arrays = {
+        name: np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape) for name, (dtype, shape, data) in host.items()
+    }
+    return host_lists(arrays)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child: records from stdin into ``steps.jsonl`` of ``argv[0]``; 0 at end of input."""
+    import msgspec
+
+    from tracer.format import TraceWriter, record_from_json
+    from tracer.jsonline import encode_line
+    from tracer.pending import make_record
+
+    args = sys.argv[1:] if argv is None else argv
+    decode = msgspec.msgpack.Decoder().decode
+    stdin = sys.stdin.buffer
+    writer = None
+    try:
+        writer = TraceWriter(args[0], encode_line=encode_line)
+        while True:
+            head = _read_exact(stdin, _LENGTH.size)
+            if head is None:
+                return 0
+            body = _read_exact(stdin, _LENGTH.unpack(head)[0])
+            if body is None:
+                return 0  # the tracer's process died mid-message: what came whole is written
+            hosts, items = decode(body)
+            lists: dict[int, dict[str, Any]] = {}
+            for item in items:
+                if item[0] == "sync":  # everything before it is on disk
+                    sys.stdout.buffer.write(SYNCED)
+                    sys.stdout.flush()
+                    continue
+                if item[0] == "gap":
+                    writer.append(record_from_json({"type": "gap", **item[1]}))
+                    continue
+                _, index, block_size, fields = item
+                if index not in lists:
+                    lists[index] = _lists(hosts[index])
+                writer.append(make_record(_tuples(fields), lists[index], block_size))
+    except OSError as exc:
+        sys.stdout.write(f"pagedtrace: cannot write trace to {args[0]}: {exc}; tracing stops, the engine runs on\n")
+        sys.stdout.flush()
+        return 3
+    finally:
+        if writer is not None:
+            with contextlib.suppress(OSError):
+                writer.close()
+
+
+def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
+    """msgpack gives lists back: ``StepRecord`` holds tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
