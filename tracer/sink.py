@@ -90,6 +90,18 @@ class TraceSink:
             self.write(record, tensors, item)
             self.stats["records"] += 1
 
+    def start(self) -> None:
+        """Start the record writer process now, off the engine's steps; the writer thread if it cannot start."""
+        if self.records_out is None:
+            return
+        try:
+            self.records_out.start()
+        except OSError as exc:
+            logger.warning(
+                "pagedtrace: cannot start the record writer process (%s); the writer thread writes them", exc
+            )
+            self.records_out = None
+
     def sync(self) -> None:
         """Every record handed over so far is on disk (the record writer process has written it)."""
         if self.records_out is not None and not self.records_out.sync() and not self.failed:

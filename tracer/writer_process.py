@@ -64,7 +64,7 @@ def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
 
 
 class RecordProcess:
-    """The child process that writes a trace's records (started on the first :meth:`send`)."""
+    """The child process that writes a trace's records (:meth:`start`, or the first :meth:`send`)."""
 
     def __init__(self, directory: Path):
         self.directory = directory
@@ -79,7 +79,7 @@ class RecordProcess:
             if self.error is not None:
                 return False
             if self._proc is None:
-                self._start()
+                self.start()
             proc = self._proc
             assert proc is not None and proc.stdin is not None
             payload = self._encode([hosts, items])
@@ -121,10 +121,21 @@ class RecordProcess:
         said = (said + "\n" + proc.stdout.read().decode("utf-8", "replace")).strip()
         code = proc.wait()
         if code != 0 and self.error is None:
-            self.error = said.splitlines()[-1] if said else f"the record writer process exited with code {code}"
+            self.error = (
+                said.splitlines()[-1]
+                if said
+                else f"pagedtrace: the record writer process ended (exit code {code}); "
+                "tracing stops, the engine runs on"
+            )
         return self.error
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the child (``Tracer.start`` does, before the engine's first step; else the first send).
+
+        Raises ``OSError`` when it cannot be started.
+        """
+        if self._proc is not None:
+            return
         import msgspec
 
         self._encode = msgspec.msgpack.Encoder().encode
@@ -169,7 +180,6 @@ def main(argv: list[str] | None = None) -> int:
     stdin = sys.stdin.buffer
     writer = None
     try:
-        writer = TraceWriter(args[0], encode_line=encode_line)
         while True:
             head = _read_exact(stdin, _LENGTH.size)
             if head is None:
@@ -184,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.buffer.write(SYNCED)
                     sys.stdout.flush()
                     continue
+                if writer is None:  # opened with the first record: the manifest is on disk by then
+                    writer = TraceWriter(args[0], encode_line=encode_line)
                 if item[0] == "gap":
                     writer.append(record_from_json({"type": "gap", **item[1]}))
                     continue

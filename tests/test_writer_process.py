@@ -1,0 +1,137 @@
+"""The record writer process (``tracer.writer_process``): a trace without tensors, written off the engine's GIL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_hooks import _fake_step_engine
+from tracer.format import Trace
+from tracer.hooks import Tracer
+from tracer.options import TracerOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _steps(t, n: int, *, gap_at: int | None = None) -> None:
+    """``n`` request steps of the fake engine (a padded full-graph replay each), a gap before step ``gap_at``."""
+    _, runner, sched, _ = t._test_engine
+    for i in range(n):
+        t._phase, t._depth = ["request"], 1
+        t._begin_step()
+        if i == gap_at:
+            t._record_gap("request", "no-metadata: a gap between the steps", 0)
+        t._v2_req_ids = ("a", "b", "c")
+        t._dispatch = ("full", 4)
+        t._end_request_step(runner, (sched,), {})
+        t._submit_slot()
+
+
+def _engine(tmp_path, monkeypatch, mode: str):
+    monkeypatch.setenv("PAGEDTRACE_WRITER", mode)
+    t, runner, sched, md = _fake_step_engine(tmp_path)
+    t._test_engine = (t, runner, sched, md)
+    return t
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_drained_step_is_on_disk(tmp_path, monkeypatch, mode):
+    t = _engine(tmp_path, monkeypatch, mode)
+    assert (t._sink.records_out is not None) == (mode == "process")
+    _steps(t, 2)
+    t.drain()
+    assert len((tmp_path / "trace" / "steps.jsonl").read_text().splitlines()) == 2
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is None
+
+
+def test_the_process_writes_what_the_thread_writes(tmp_path, monkeypatch):
+    lines = {}
+    for mode in ("thread", "process"):
+        t = _engine(tmp_path / mode, monkeypatch, mode)
+        _steps(t, 4, gap_at=2)
+        t._thread.close()
+        t._sink.finish()
+        assert t.error is None and t._sink.stats["records"] == 4 and t._sink.stats["gaps"] == 1
+        lines[mode] = (tmp_path / mode / "trace" / "steps.jsonl").read_text()
+        trace = Trace.open(tmp_path / mode / "trace")
+        assert len(trace.records) == 4 and len(trace.gaps) == 1 and trace.run.extra["finished"] is True
+    assert lines["process"] == lines["thread"]
+
+
+def test_a_bad_writer_setting_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "elsewhere")
+    with pytest.raises(ValueError, match=r"^PAGEDTRACE_WRITER='elsewhere': expected 'process' or 'thread'$"):
+        Tracer(TracerOptions(str(tmp_path / "t")))
+
+
+def test_a_tensor_trace_keeps_the_thread(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "process")
+    assert Tracer(TracerOptions(str(tmp_path / "t"), tensors=True))._sink.records_out is None
+
+
+def test_a_writer_process_that_dies_stops_the_trace_in_one_line(tmp_path, monkeypatch):
+    t = _engine(tmp_path, monkeypatch, "process")
+    _steps(t, 1)
+    t.drain()
+    proc = t._sink.records_out._proc
+    proc.kill()
+    proc.wait()
+    with pytest.warns(RuntimeWarning, match="record writer process ended"):
+        _steps(t, 3)  # the engine runs on
+        t.drain()
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is not None and "\n" not in t.error and "(exit code -9); tracing stops" in t.error
+    trace = Trace.open(tmp_path / "trace", strict=False)
+    assert len(trace.records) == 1 and trace.run.extra["finished"] is False
+
+
+#: The fake engine in a process of its own: 3 steps handed to the writer process, then SIGKILL.
+KILLED = """
+import os, signal, sys, types
+sys.path.insert(0, sys.argv[2])
+os.environ["PAGEDTRACE_WRITER"] = "process"
+from tests import test_writer_process as w
+from tests.test_hooks import _fake_step_engine
+from pathlib import Path
+t, runner, sched, md = _fake_step_engine(Path(sys.argv[1]))
+t._test_engine = (t, runner, sched, md)
+w._steps(t, 3)
+t._thread.drain()  # handed over (not necessarily written yet)
+print(t._sink.records_out._proc.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_an_engine_killed_loses_no_record_it_handed_over(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED, str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    child = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:  # it writes what it got, then ends
+        time.sleep(0.05)
+    assert not _alive(child)
+    trace = Trace.open(tmp_path / "trace", strict=False)
+    assert trace.problems == [] and [r.step for r in trace.records] == [0, 1, 2]
+    assert trace.run.extra["finished"] is False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (reaped by nobody until init does) has ended too
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
