@@ -148,6 +148,9 @@ class RecordProcess:
             stdout=subprocess.PIPE,
             env=env,
             close_fds=True,
+            # Its own session: a Ctrl-C at the terminal interrupts the engine, whose stop() then
+            # closes the pipe, and the child writes what it has before it ends (end of input).
+            start_new_session=True,
         )
 
 
