@@ -135,3 +135,32 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_the_child_reads_the_buffers_as_host_lists_does_without_numpy():
+    import torch
+
+    from tracer.format import TraceError
+    from tracer.pending import host_lists
+    from tracer.writer_process import _lists, host_message
+
+    host = {
+        "query_start_loc": torch.tensor([0, 3, 4], dtype=torch.int32),
+        "seq_lens": torch.tensor([7, 2**20], dtype=torch.int32),
+        "block_table": torch.tensor([[5, 6, 0], [7, 8, 9]], dtype=torch.int32),
+        "slot_mapping": torch.tensor([80, 81, 82, 2**40 + 3], dtype=torch.int64),
+    }
+    assert _lists(host_message(host)) == host_lists(dict(host))
+    message = host_message(host)
+    message["seq_lens"][0] = "<f4"
+    with pytest.raises(TraceError, match="cannot read a host buffer of dtype '<f4'"):
+        _lists(message)
+
+
+def test_the_child_imports_neither_numpy_nor_torch():
+    code = (
+        "import sys, tracer.writer_process, tracer.pending, tracer.jsonline; "
+        "print(sorted({'numpy', 'torch', 'vllm'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]

@@ -27,6 +27,7 @@ Imports the standard library, ``msgspec`` (a dependency of vLLM) and the bottom 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import struct
@@ -35,6 +36,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from tracer.format import TraceError
 
 __all__ = ["ENV_WRITER", "RecordProcess", "host_message", "main", "writer_mode"]
 
@@ -58,8 +61,8 @@ def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
     """One KV-cache group's host views (filled: the slot's event fired) as message fields."""
     out = {}
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
-        array = host[name].numpy()
-        out[name] = [array.dtype.str, list(array.shape), array.tobytes()]
+        values = host[name].numpy()
+        out[name] = [values.dtype.str, list(values.shape), values.tobytes()]
     return out
 
 
@@ -159,15 +162,36 @@ def _read_exact(stream: Any, n: int) -> bytes | None:
     return data if data is not None and len(data) == n else None
 
 
+#: ``numpy`` dtype strings of the host buffers -> ``array`` type codes of that size (checked below).
+_TYPECODES = {"i4": "i", "i8": "q", "u4": "I", "u8": "Q"}
+
+
+def _ints(dtype: str, data: bytes) -> list[int]:
+    """One buffer's integers, with the standard library only.
+
+    The child imports no numpy: in vLLM's CPU worker (threads bound to cores, OpenMP settings in
+    the environment it inherits) importing numpy hung.
+    """
+    code = _TYPECODES.get(dtype[1:])
+    if code is None or array.array(code).itemsize != int(dtype[2:]):
+        raise TraceError(f"the record writer process cannot read a host buffer of dtype {dtype!r}")
+    values = array.array(code, data)
+    if (dtype[0] == "<") != (sys.byteorder == "little") and dtype[0] in "<>":
+        values.byteswap()
+    return values.tolist()
+
+
 def _lists(host: dict[str, list[Any]]) -> dict[str, Any]:
-    import numpy as np
-
-    from tracer.pending import host_lists
-
-    arrays = {
-        name: np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape) for name, (dtype, shape, data) in host.items()
+    """``tracer.pending.host_lists`` of the buffers one message carries."""
+    flat = {name: _ints(dtype, data) for name, (dtype, _shape, data) in host.items()}
+    rows, cols = host["block_table"][1]
+    table = flat["block_table"]
+    return {
+        "query_start_loc": tuple(flat["query_start_loc"]),
+        "seq_lens": tuple(flat["seq_lens"]),
+        "block_table": [table[r * cols : (r + 1) * cols] for r in range(rows)],
+        "slot_mapping": tuple(flat["slot_mapping"]),
     }
-    return host_lists(arrays)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,13 +231,19 @@ def main(argv: list[str] | None = None) -> int:
                     lists[index] = _lists(hosts[index])
                 writer.append(make_record(_tuples(fields), lists[index], block_size))
     except OSError as exc:
-        sys.stdout.write(f"pagedtrace: cannot write trace to {args[0]}: {exc}; tracing stops, the engine runs on\n")
-        sys.stdout.flush()
-        return 3
+        return _failed(f"pagedtrace: cannot write trace to {args[0]}: {exc}; tracing stops, the engine runs on")
+    except Exception as exc:  # noqa: BLE001 - one line for the tracer to report, not a traceback
+        return _failed(f"pagedtrace: the record writer process failed ({exc!r}); tracing stops, the engine runs on")
     finally:
         if writer is not None:
             with contextlib.suppress(OSError):
                 writer.close()
+
+
+def _failed(message: str) -> int:
+    sys.stdout.write(message.replace("\n", " ") + "\n")
+    sys.stdout.flush()
+    return 3
 
 
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
