@@ -164,3 +164,16 @@ def test_the_child_imports_neither_numpy_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+def test_a_tensor_parallel_rank_known_only_after_start_writes_its_own_directory(tmp_path, monkeypatch):
+    import tracer.sink
+
+    t = _engine(tmp_path, monkeypatch, "process")
+    monkeypatch.setattr(tracer.sink, "tp_rank", lambda: 1)  # vLLM's parallel state, once it is up
+    _steps(t, 2)
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is None
+    assert len(Trace.open(tmp_path / "trace" / "rank1").records) == 2
+    assert not (tmp_path / "trace" / "steps.jsonl").exists()

@@ -52,9 +52,7 @@ class TraceSink:
         self.blocking_events = True  #: the tracer's ``PAGEDTRACE_EVENT_WAIT`` choice
         #: Without tensors the records are built and written by a process of their own (off the
         #: engine's GIL: ``tracer.writer_process``), unless ``PAGEDTRACE_WRITER=thread``.
-        self.records_out = (
-            RecordProcess(self.directory()) if not options.tensors and writer_mode() == "process" else None
-        )
+        self.records_out = RecordProcess(self.directory) if not options.tensors and writer_mode() == "process" else None
 
     @property
     def budget_exhausted(self) -> bool:

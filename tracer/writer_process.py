@@ -11,7 +11,9 @@ and appends them to ``steps.jsonl``, one flushed line each, exactly as the threa
 Messages on the child's stdin: a 4-byte little-endian length, then a msgpack list
 ``[hosts, items]``. ``hosts``: one map per KV-cache group, name -> ``[dtype, shape, bytes]``
 of ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``. ``items``:
-``["gap", GapRecord JSON]``, ``["step", host index, block size, record fields]``
+``["directory", path]`` (first, once: a tensor-parallel rank other than 0 writes to
+``rank<N>/``, known only once vLLM is up), ``["gap", GapRecord JSON]``,
+``["step", host index, block size, record fields]``
 (``tracer.pending.LayerCapture.record_fields``) or ``["sync"]``, which the child answers
 with :data:`SYNCED` on stdout once everything before it is written. End of input (the tracer stopped, or its
 process died) ends the child once everything it got is on disk. A write error ends it early:
@@ -20,7 +22,7 @@ its one line goes to stdout, and the tracer reports it (``RecordProcess.close``)
 ``PAGEDTRACE_WRITER=thread`` keeps the records on the writer thread (the child is only used
 for traces without tensors: tensor steps copy from the device on the writer thread).
 
-    python -m tracer.writer_process TRACE_DIR      (started by RecordProcess, not by hand)
+    python -m tracer.writer_process      (started by RecordProcess, not by hand)
 
 Imports the standard library, ``msgspec`` (a dependency of vLLM) and the bottom layer only.
 """
@@ -34,6 +36,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +72,10 @@ def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
 class RecordProcess:
     """The child process that writes a trace's records (:meth:`start`, or the first :meth:`send`)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Callable[[], Path]):
+        #: the trace directory, asked at the first send: a tensor-parallel rank is known only by then
         self.directory = directory
+        self._told = False  # the child was sent the directory
         self._proc: subprocess.Popen[bytes] | None = None
         self._encode: Any = None
         self._lock = threading.Lock()  # the writer thread sends, the engine's thread may sync (drain)
@@ -85,6 +90,9 @@ class RecordProcess:
                 self.start()
             proc = self._proc
             assert proc is not None and proc.stdin is not None
+            if not self._told:
+                items = [["directory", str(self.directory())], *items]
+                self._told = True
             payload = self._encode([hosts, items])
             try:
                 proc.stdin.write(_LENGTH.pack(len(payload)) + payload)
@@ -145,8 +153,9 @@ class RecordProcess:
         root = str(Path(__file__).resolve().parent.parent)  # the directory holding the tracer package
         env = dict(os.environ)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._told = False
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tracer.writer_process", str(self.directory)],
+            [sys.executable, "-m", "tracer.writer_process"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -194,18 +203,18 @@ def _lists(host: dict[str, list[Any]]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The child: records from stdin into ``steps.jsonl`` of ``argv[0]``; 0 at end of input."""
+def main() -> int:
+    """The child: records from stdin into the ``steps.jsonl`` the first message names; 0 at end of input."""
     import msgspec
 
     from tracer.format import TraceWriter, record_from_json
     from tracer.jsonline import encode_line
     from tracer.pending import make_record
 
-    args = sys.argv[1:] if argv is None else argv
     decode = msgspec.msgpack.Decoder().decode
     stdin = sys.stdin.buffer
     writer = None
+    directory = ""
     try:
         while True:
             head = _read_exact(stdin, _LENGTH.size)
@@ -221,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.buffer.write(SYNCED)
                     sys.stdout.flush()
                     continue
+                if item[0] == "directory":
+                    directory = item[1]
+                    continue
                 if writer is None:  # opened with the first record: the manifest is on disk by then
-                    writer = TraceWriter(args[0], encode_line=encode_line)
+                    writer = TraceWriter(directory, encode_line=encode_line)
                 if item[0] == "gap":
                     writer.append(record_from_json({"type": "gap", **item[1]}))
                     continue
@@ -231,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                     lists[index] = _lists(hosts[index])
                 writer.append(make_record(_tuples(fields), lists[index], block_size))
     except OSError as exc:
-        return _failed(f"pagedtrace: cannot write trace to {args[0]}: {exc}; tracing stops, the engine runs on")
+        return _failed(f"pagedtrace: cannot write trace to {directory}: {exc}; tracing stops, the engine runs on")
     except Exception as exc:  # noqa: BLE001 - one line for the tracer to report, not a traceback
         return _failed(f"pagedtrace: the record writer process failed ({exc!r}); tracing stops, the engine runs on")
     finally:
