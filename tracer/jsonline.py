@@ -29,8 +29,11 @@ except ImportError:  # pragma: no cover - vLLM requires msgspec
 
 
 def encode_line(obj: dict[str, Any]) -> str:
-    """One record's JSON text (no newline), as ``json.dumps(obj, separators=(",", ":"))`` reads back."""
-    if _ENCODER is not None and _finite(obj):
+    """One ``steps.jsonl`` line (no newline), as ``json.dumps(obj, separators=(",", ":"))`` reads back.
+
+    ``obj``: ``record_to_json`` of a step or gap record; anything else goes through ``json``.
+    """
+    if _ENCODER is not None and obj.get("type") in ("step", "gap") and _finite(obj):
         try:
             return _ENCODER.encode(obj).decode("utf-8")
         except (UnicodeEncodeError, OverflowError, TypeError):
@@ -43,29 +46,13 @@ def encode_line(obj: dict[str, Any]) -> str:
 FLOAT_KEYS = tuple(sorted(name for name, hint in typing.get_type_hints(StepRecord).items() if "float" in str(hint)))
 
 
-def _finite(obj: dict[str, Any]) -> bool:
-    """No float in ``obj`` is NaN or infinite.
-
-    A step or gap line (``"type"`` ``step``/``gap``) is asked only for :data:`FLOAT_KEYS`; any
-    other object is walked: its floats sit at its top level, in a flat tuple of floats or in a
-    nested object (lists of ints, such as block tables, are not walked).
-    """
-    if obj.get("type") in ("step", "gap"):
-        for key in FLOAT_KEYS:
-            value = obj.get(key)
-            if isinstance(value, float):
-                if not math.isfinite(value):
-                    return False
-            elif isinstance(value, (tuple, list)) and not all(math.isfinite(x) for x in value if isinstance(x, float)):
-                return False
-        return True
-    for value in obj.values():
+def _finite(line: dict[str, Any]) -> bool:
+    """No float of a step or gap line (its :data:`FLOAT_KEYS`) is NaN or infinite."""
+    for key in FLOAT_KEYS:
+        value = line.get(key)
         if isinstance(value, float):
             if not math.isfinite(value):
                 return False
-        elif isinstance(value, (tuple, list)):
-            if value and isinstance(value[0], float) and not all(map(math.isfinite, value)):
-                return False
-        elif isinstance(value, dict) and not _finite(value):
+        elif isinstance(value, (tuple, list)) and not all(math.isfinite(x) for x in value if isinstance(x, float)):
             return False
     return True

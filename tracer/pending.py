@@ -81,15 +81,12 @@ class LayerCapture:
     def layer(self) -> str:
         return self.static.name
 
-    def record(self) -> StepRecord:
-        """The record, from the host views (the slot's event has fired)."""
-        return make_record(self.record_fields(), host_lists(self.host), self.static.block_size)
-
     def record_fields(self) -> dict[str, Any]:
         """The record's fields that are not read from the host views: Python numbers and strings.
 
-        With :func:`make_record` (and the host views' lists) they make the record; the
-        writer process (``tracer.writer_process``) gets them as they are.
+        With :func:`make_record` and the host views' lists (:func:`host_lists`, once the slot's
+        event has fired) they make the record; the writer process (``tracer.writer_process``)
+        gets them as they are.
         """
         scales = self.static.scales if self.scales is None else {k: _scale_value(v) for k, v in self.scales.items()}
         return {

@@ -20,7 +20,7 @@ from tracer.format import GapRecord, RunInfo, StepRecord, TraceWriter
 from tracer.jsonline import encode_line
 from tracer.manifest import tp_rank, write_manifest
 from tracer.options import TracerOptions
-from tracer.pending import LayerCapture, read_static_floats
+from tracer.pending import LayerCapture, host_lists, make_record, read_static_floats
 from tracer.ring import Slot
 from tracer.runtime import cuda_available
 from tracer.writelog import WriteLog
@@ -78,15 +78,24 @@ class TraceSink:
                 self.write(item, None)
                 self.stats["gaps"] += 1
                 continue
-            read_static_floats(item.static)
-            record = item.record()
-            if item.scales is not None and not getattr(item.static.module, "calculate_kv_scales", False):
-                item.static.scales = {k: getattr(record, k) for k in ("q_scale", "k_scale", "v_scale")}
+            record = make_record(self.record_fields(item), host_lists(item.host), item.static.block_size)
             tensors = None
             if item.tensors is not None:  # an unlogged write before it came with item.reset (hooks._end_pass)
                 record, tensors = self.log_tensors(item, record)
             self.write(record, tensors, item)
             self.stats["records"] += 1
+
+    def record_fields(self, item: LayerCapture) -> dict[str, Any]:
+        """``item``'s record fields (``LayerCapture.record_fields``), the layer's floats read once.
+
+        The layer's scales are kept from its first record on when vLLM does not recompute them
+        (``calculate_kv_scales`` off): later captures carry none (``tracer.pending.capture_scales``).
+        """
+        read_static_floats(item.static)
+        fields = item.record_fields()
+        if item.scales is not None and not getattr(item.static.module, "calculate_kv_scales", False):
+            item.static.scales = {k: fields[k] for k in ("q_scale", "k_scale", "v_scale")}
+        return fields
 
     def start(self) -> None:
         """Start the record writer process now, off the engine's steps; the writer thread if it cannot start."""
@@ -124,11 +133,8 @@ class TraceSink:
                     items.append(["gap", item.to_json()])
                     self.stats["gaps"] += 1
                     continue
-                read_static_floats(item.static)
+                fields = self.record_fields(item)
                 self._ensure_manifest(item)
-                fields = item.record_fields()
-                if item.scales is not None and not getattr(item.static.module, "calculate_kv_scales", False):
-                    item.static.scales = {k: fields[k] for k in ("q_scale", "k_scale", "v_scale")}
                 index = host_index.get(id(item.host))
                 if index is None:
                     index = host_index[id(item.host)] = len(hosts)
