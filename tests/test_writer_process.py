@@ -177,3 +177,22 @@ def test_a_tensor_parallel_rank_known_only_after_start_writes_its_own_directory(
     assert t.error is None
     assert len(Trace.open(tmp_path / "trace" / "rank1").records) == 2
     assert not (tmp_path / "trace" / "steps.jsonl").exists()
+
+
+def test_only_a_process_that_runs_the_model_starts_the_writer_process(tmp_path, monkeypatch):
+    import types
+
+    from tracer import wrappers
+
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "process")
+    t = Tracer(TracerOptions(str(tmp_path / "t"))).start()
+    records_out = t._sink.records_out
+    try:
+        assert records_out._proc is None  # vLLM's front end and engine core stay so: no idle child
+        step = wrappers.runner(t, "execute_model")(lambda runner, *args: None)
+        step(types.SimpleNamespace(vllm_config=None))  # the runner's first call (the profile run in vLLM)
+        child = records_out._proc
+        assert child is not None and child.poll() is None
+    finally:
+        t.stop()
+    assert records_out._proc is None and child.poll() == 0  # stop() ended it

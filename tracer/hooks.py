@@ -179,7 +179,6 @@ class Tracer:
             if not any(name == "forward" for _, name, _ in self._patched):
                 self._uninstall()
                 raise RuntimeError("no vLLM attention backend found to trace (is vLLM 0.26 installed?)")
-            self._sink.start()  # the record writer process, if any: spawned before the first step
             self._thread = WriterThread(
                 self._pool, self._sink.handle_slot, self._on_writer_error, throttle=self._throttle
             )

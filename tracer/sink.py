@@ -98,7 +98,7 @@ class TraceSink:
         return fields
 
     def start(self) -> None:
-        """Start the record writer process now, off the engine's steps; the writer thread if it cannot start."""
+        """Start the record writer process now, before the engine's steps; the writer thread if it cannot start."""
         if self.records_out is None:
             return
         try:

@@ -51,6 +51,10 @@ def runner(tracer: Tracer, method: str):
 
         @functools.wraps(original)
         def wrapper(runner, *args, **kwargs):
+            if tracer._runner is None and tracer._thread is not None:
+                # This process runs the model (vLLM's front end and engine core never get here):
+                # start the record writer process now, at the profile run, before any request step.
+                tracer._sink.start()
             tracer._runner = runner
             tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
             tracer._sink.vllm_config = tracer._vllm_config

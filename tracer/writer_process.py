@@ -5,7 +5,8 @@ a ``StepRecord`` and a JSON line is pure Python (a few hundred µs a step on the
 and in a launch-bound graph mode (PIECEWISE) the engine's thread waits for every µs of it.
 So for a trace without tensors the thread only waits for each slot's CUDA event (without
 the GIL), copies the slot's host buffers into one message with the record's other fields,
-and writes it to this module's process (:class:`RecordProcess`), which builds the records
+and writes it to this module's process (:class:`RecordProcess`, started by the model runner's
+first call, so only a process that runs the model has one), which builds the records
 and appends them to ``steps.jsonl``, one flushed line each, exactly as the thread would.
 
 Messages on the child's stdin: a 4-byte little-endian length, then a msgpack list
@@ -141,7 +142,7 @@ class RecordProcess:
         return self.error
 
     def start(self) -> None:
-        """Start the child (``Tracer.start`` does, before the engine's first step; else the first send).
+        """Start the child (the runner's first call does, at the profile run; else the first send).
 
         Raises ``OSError`` when it cannot be started.
         """
