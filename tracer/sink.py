@@ -112,7 +112,7 @@ class TraceSink:
     def sync(self) -> None:
         """Every record handed over so far is on disk (the record writer process has written it)."""
         if self.records_out is not None and not self.records_out.sync() and not self.failed:
-            self.on_fail(self.records_out.error or "pagedtrace: the record writer process ended; tracing stops")
+            self._process_failed()
 
     def send_slot(self, slot: Slot) -> None:
         """A slot without tensors, to the record writer process: its host buffers and record fields.
@@ -142,12 +142,20 @@ class TraceSink:
                 items.append(["step", index, item.static.block_size, fields])
                 self.stats["records"] += 1
         except OSError as exc:
-            self.on_fail(
-                f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
-            )
+            self._write_failed(exc)
             return
         if items and not self.records_out.send(hosts, items):
-            self.on_fail(self.records_out.error or "pagedtrace: the record writer process ended; tracing stops")
+            self._process_failed()
+
+    def _process_failed(self) -> None:
+        """The record writer process ended early: its one line (``RecordProcess.error``) stops the trace."""
+        assert self.records_out is not None and self.records_out.error is not None
+        self.on_fail(self.records_out.error)
+
+    def _write_failed(self, exc: OSError) -> None:
+        self.on_fail(
+            f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
+        )
 
     def log_tensors(self, item: LayerCapture, record: StepRecord) -> tuple[StepRecord, dict[str, Any] | None]:
         """The write-log tensors of one record.
@@ -226,9 +234,7 @@ class TraceSink:
             if getattr(stored, "tensors", None):
                 self.stats["tensor_files"] += 1
         except OSError as exc:
-            self.on_fail(
-                f"pagedtrace: cannot write trace to {self.options.directory}: {exc}; tracing stops, the engine runs on"
-            )
+            self._write_failed(exc)
 
     def _ensure_manifest(self, first: LayerCapture | None) -> None:
         """The manifest on disk before the first line of ``steps.jsonl``; raises ``OSError``.

@@ -83,7 +83,7 @@ class RecordProcess:
         self.error: str | None = None  #: the child's one-line error, once it ended early
 
     def send(self, hosts: list[dict[str, list[Any]]], items: list[list[Any]]) -> bool:
-        """Queue one slot's records; False once the child has ended (``error`` says why)."""
+        """Queue one slot's records; False once the child has ended (``error`` then says why)."""
         with self._lock:
             if self.error is not None:
                 return False
@@ -99,12 +99,12 @@ class RecordProcess:
                 proc.stdin.write(_LENGTH.pack(len(payload)) + payload)
                 proc.stdin.flush()
             except OSError:  # the child ended early (BrokenPipeError): close() reads why
-                self._close()
+                self._close(failed=True)
                 return False
             return True
 
     def sync(self) -> bool:
-        """Wait until the child has written everything sent so far; False once it has ended."""
+        """Wait until the child has written everything sent so far; False once it has ended (see ``error``)."""
         if self._proc is None:
             return self.error is None
         if not self.send([], [["sync"]]):
@@ -115,7 +115,7 @@ class RecordProcess:
             line = proc.stdout.readline()
             if line == SYNCED:
                 return True
-            self._close(line.decode("utf-8", "replace").strip())
+            self._close(line.decode("utf-8", "replace").strip(), failed=True)
             return False
 
     def close(self) -> str | None:
@@ -123,7 +123,9 @@ class RecordProcess:
         with self._lock:
             return self._close()
 
-    def _close(self, said: str = "") -> str | None:
+    def _close(self, said: str = "", *, failed: bool = False) -> str | None:
+        """Close the pipe and wait for the child. ``failed``: it ended early, whatever its exit code
+        (``error`` is set then, so a failed :meth:`send` or :meth:`sync` always says why)."""
         proc, self._proc = self._proc, None
         if proc is None:
             return self.error
@@ -132,7 +134,7 @@ class RecordProcess:
             proc.stdin.close()
         said = (said + "\n" + proc.stdout.read().decode("utf-8", "replace")).strip()
         code = proc.wait()
-        if code != 0 and self.error is None:
+        if (failed or code != 0) and self.error is None:
             self.error = (
                 said.splitlines()[-1]
                 if said
