@@ -8,13 +8,14 @@ suffixes drawn with a seed per batch), greedy, ``--max-tokens`` new tokens each 
 Modes: ``default`` (vLLM's own compilation config: FULL_AND_PIECEWISE on a GPU), ``piecewise``
 (``cudagraph_mode`` PIECEWISE), ``eager`` (``enforce_eager``). Cases: ``untraced``,
 ``metadata`` (first layer, no tensors), ``tensors-l0`` (layer 0 with tensors) and
-``tensors-all`` (every layer with tensors), both with a 4096 MiB tensor budget.
+``tensors-all`` (every layer with tensors), both with a 4096 MiB tensor budget, and the same two
+keeping 8 query rows a step (``tensors-l0-rows8``, ``tensors-all-rows8``: format 4's ``query_rows``).
 
 Per case it prints and writes (``--json``) the generate time and its ratio to the mode's and
 to default's untraced run, the request steps the trace recorded against the engine steps
 (records and gaps), the sampled tokens the trace accounts for against ``prompts x max_tokens``,
-the trace size, tensor bytes per recorded layer-step against the ideal (query, output, key and
-value of the step's new tokens), the steps per ``cudagraph`` value, whether the greedy tokens
+the trace size, tensor bytes per recorded layer-step against the ideal (query and output of the
+rows kept, key and value of the step's new tokens), the steps per ``cudagraph`` value, whether the greedy tokens
 equal the untraced ones, and any tracer error; then a markdown table (``--md``). Exits 1 when a
 case crashed. On the H200: ``bash scripts/h200-bench.sh OUT``; on a CPU::
 
@@ -59,6 +60,9 @@ CASES: dict[str, dict[str, Any] | None] = {
     "metadata": {"layers": "first", "tensors": False},
     "tensors-l0": {"layers": (0,), "tensors": True, "budget_mb": 4096.0},
     "tensors-all": {"layers": "all", "tensors": True, "budget_mb": 4096.0},
+    # format 4: 8 query rows a step kept (tracer.format.rows), the KV write log whole
+    "tensors-l0-rows8": {"layers": (0,), "tensors": True, "budget_mb": 4096.0, "query_rows": 8},
+    "tensors-all-rows8": {"layers": "all", "tensors": True, "budget_mb": 4096.0, "query_rows": 8},
 }
 #: Bytes per element of the activation dtypes a model may run in.
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -158,6 +162,8 @@ def start_kwargs(case: str, kv_check_every: int) -> dict[str, Any]:
     import tracer
 
     kwargs = dict(CASES[case] or {})
+    if "query_rows" in kwargs and "query_rows" not in inspect.signature(tracer.start).parameters:
+        raise SystemExit(f"--cases {case}: this tracer's start() takes no query_rows")
     if "kv_check_every" in inspect.signature(tracer.start).parameters:
         kwargs["kv_check_every"] = kv_check_every
     elif kv_check_every:
@@ -275,10 +281,16 @@ def gap_reason(gap: GapRecord) -> str:
     return gap.reason.split(":", 1)[0].strip()
 
 
-def ideal_tensor_bytes(record: StepRecord, element_size: int) -> int:
-    """Query, output, key and value of the step's new tokens: the least a record's tensors can be."""
-    per_token = (2 * record.num_heads + 2 * record.num_kv_heads) * record.head_size
-    return record.num_actual_tokens * per_token * element_size
+def ideal_tensor_bytes(record: StepRecord, element_size: int, kept_rows: int | None = None) -> int:
+    """Query and output of the rows kept (all: ``None``), key and value of the step's new tokens.
+
+    The least a record's tensors can be: replay needs those rows' query and output, and every
+    new token's key and value to rebuild the cache.
+    """
+    rows = record.num_actual_tokens if kept_rows is None else kept_rows
+    return (rows * 2 * record.num_heads + record.num_actual_tokens * 2 * record.num_kv_heads) * (
+        record.head_size * element_size
+    )
 
 
 def analyze_trace(path: Path, child_result: dict[str, Any]) -> dict[str, Any]:
@@ -339,8 +351,10 @@ def analyze_trace(path: Path, child_result: dict[str, Any]) -> dict[str, Any]:
     by_name: Counter[str] = Counter()
     ideal = 0
     for r in with_tensors:
-        by_name.update(safetensors_sizes(trace.member(TENSORS_DIR, r.tensors or "")))
-        ideal += ideal_tensor_bytes(r, element_size)
+        sizes = safetensors_sizes(trace.member(TENSORS_DIR, r.tensors or ""))
+        by_name.update(sizes)
+        kept = sizes["query_rows"] // 8 if "query_rows" in sizes else None  # int64 row indices
+        ideal += ideal_tensor_bytes(r, element_size, kept)
     tensor_bytes = sum(by_name.values())
     n_tensor = len(with_tensors)
     return {

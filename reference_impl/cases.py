@@ -152,7 +152,9 @@ def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) ->
         tol_eps=verdict["floor"],
         out_dtype=inputs.out_dtype,
         physical_block_ids=tuple(int(b) for b in tensors["kv_block_ids"].tolist()),
-        request_ids=tuple(record.request_ids),
+        request_ids=tuple(record.request_ids)
+        if inputs.kept is None
+        else tuple(record.request_ids[b] for b in inputs.kept.requests),
         note=inputs.note,
     )
 

@@ -134,6 +134,9 @@ def check_legacy_path(
     query: torch.Tensor,
     spec: KVCacheSpec,
     kernel: str = "fast",
+    *,
+    seq_lens: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> LegacyCheck | None:
     """Rewrite the canonical caches in paged_attn.py's layout, read them back, rerun.
 
@@ -141,6 +144,8 @@ def check_legacy_path(
         key_cache, value_cache: canonical ``[n, bs, H_kv, D]`` caches of the step.
         table: the compact block table used for ``expected``.
         expected: the direct reference output ``[T, H, D]`` (``REFERENCE_DTYPE``).
+        seq_lens, query_start_loc: those ``expected`` was computed with (``StepInputs``'); None:
+            the record's (they differ when only some query rows were kept).
 
     Returns:
         The check, or None when ``D`` is not a multiple of ``x = 16 // element_size``
@@ -157,8 +162,8 @@ def check_legacy_path(
         key_back,
         value_back,
         table,
-        torch.tensor(record.seq_lens, dtype=torch.long),
-        torch.tensor(record.query_start_loc, dtype=torch.long),
+        torch.tensor(record.seq_lens, dtype=torch.long) if seq_lens is None else seq_lens,
+        torch.tensor(record.query_start_loc, dtype=torch.long) if query_start_loc is None else query_start_loc,
         block_size=spec.block_size,
         compute_dtype=REFERENCE_DTYPE,
         **KernelOptions.from_step(record, spec).kwargs(),

@@ -33,6 +33,7 @@ from reference_impl.options import KernelOptions
 from reference_impl.resolve import read_cache
 from reference_impl.tolerances import REFERENCE_DTYPE
 from tracer.format import KVCacheSpec, StepRecord, TraceError
+from tracer.format.rows import QUERY_ROWS, RowView, row_view
 
 __all__ = [
     "KERNELS",
@@ -118,6 +119,9 @@ class StepInputs:
     fp8_query: torch.Tensor | None = None  #: ``[T, H, D]`` e4m3: the query FA3's fp8 path got, else None
     q_scale: float = 1.0  #: the query's descale (fp8 path); 1.0 otherwise
     out_dtype: torch.dtype = torch.bfloat16  #: the activation dtype the output is rounded to
+    #: Format 4 (``query_rows``): the step's kept rows, each a one-token request of its own
+    #: (``tracer.format.rows.row_view``); None: every row, batched as the step was.
+    kept: RowView | None = None
 
     @property
     def args(self) -> tuple[torch.Tensor, ...]:
@@ -151,14 +155,22 @@ def step_inputs(
         raise TraceError(f"step {record.step} layer {record.layer}: tensors {sorted(missing_names)} not captured")
     query, output = tensors["query"], tensors["output"]
     key_cache, value_cache = read_cache(tensors["kv_blocks"], layout, spec.head_size)
-    table, missing = compact_block_table(record.block_table, tensors["kv_block_ids"].long())
+    notes = []
+    block_table, lens, starts, kept = record.block_table, record.seq_lens, record.query_start_loc, None
+    if QUERY_ROWS in tensors:  # format 4: some rows kept, each judged as a one-token request
+        try:
+            kept = row_view(starts, lens, block_table, tensors[QUERY_ROWS].tolist(), causal=record.causal)
+        except ValueError as exc:
+            raise TraceError(f"step {record.step} layer {record.layer}: {exc}") from None
+        block_table, lens, starts = kept.block_table, kept.seq_lens, kept.query_start_loc
+        notes.append(f"query rows kept: {len(kept.rows)} of {record.num_actual_tokens}, each over its own context")
+    table, missing = compact_block_table(block_table, tensors["kv_block_ids"].long())
     if missing:
         zero = torch.zeros_like(key_cache[:1])
         key_cache, value_cache = torch.cat([key_cache, zero]), torch.cat([value_cache, zero])
-    seq_lens = torch.tensor(record.seq_lens, dtype=torch.long)
-    query_start_loc = torch.tensor(record.query_start_loc, dtype=torch.long)
+    seq_lens = torch.tensor(lens, dtype=torch.long)
+    query_start_loc = torch.tensor(starts, dtype=torch.long)
     num = min(int(query_start_loc[-1]), query.shape[0], output.shape[0])
-    notes = []
     if missing:
         notes.append(f"block table names blocks {missing} that were not captured")
     if query.shape[0] != int(query_start_loc[-1]):
@@ -183,6 +195,7 @@ def step_inputs(
         fp8_query=fp8_query,
         q_scale=q_scale,
         out_dtype=activation_dtype(output),
+        kept=kept,
     )
 
 

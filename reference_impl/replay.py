@@ -159,7 +159,16 @@ def replay_record(
     legacy = None
     if check_legacy:
         legacy = check_legacy_path(
-            record, inputs.key_cache, inputs.value_cache, inputs.block_table, expected, inputs.query, spec, kernel
+            record,
+            inputs.key_cache,
+            inputs.value_cache,
+            inputs.block_table,
+            expected,
+            inputs.query,
+            spec,
+            kernel,
+            seq_lens=inputs.seq_lens,
+            query_start_loc=inputs.query_start_loc,
         )
     return result, legacy
 

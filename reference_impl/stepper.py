@@ -117,13 +117,25 @@ def walk_query(
     tensors = trace.tensors(record)
     inputs = step_inputs(record, tensors, spec, resolve_layout(trace, [record]))
     b = find_request(record, request)
-    q0, q1 = int(inputs.query_start_loc[b]), int(inputs.query_start_loc[b + 1])
-    q_len, seq_len = q1 - q0, int(inputs.seq_lens[b])
+    q0, q1 = int(record.query_start_loc[b]), int(record.query_start_loc[b + 1])
+    q_len, seq_len = q1 - q0, int(record.seq_lens[b])
     if q_len == 0:
         raise TraceError(f"step {step}: request {request!r} has no query tokens in this step")
     t = q_len - 1 if token is None else token
     if not 0 <= t < q_len:
         raise TraceError(f"step {step}: request {request!r} has query rows 0..{q_len - 1}, not {t}")
+    # The walked row's place in the inputs: the request's rows batched, or (format 4, some rows
+    # kept) the kept row alone, a one-token request of its own.
+    row, q_first, local = b, q0, t
+    if inputs.kept is not None:
+        if q0 + t not in inputs.kept.rows:
+            kept = [r - q0 for r in inputs.kept.rows if q0 <= r < q1]
+            raise TraceError(
+                f"step {step}: the trace kept query rows {kept or 'none'} of request {request!r}, not {t} "
+                "(traced with query_rows)"
+            )
+        row = q_first = inputs.kept.rows.index(q0 + t)
+        local = 0
     num_heads = inputs.query.shape[1]
     if not 0 <= head < num_heads:
         raise TraceError(f"head {head} out of range: the model has {num_heads} query heads")
@@ -134,18 +146,19 @@ def walk_query(
     if partition <= 0 or partition % block_size:
         raise TraceError(f"partition size {partition} must be a positive multiple of the block size {block_size}")
 
+    rows_walked = q_len if inputs.kept is None else 1
     args = (
-        inputs.query[q0:q1],
+        inputs.query[q_first : q_first + rows_walked],
         inputs.key_cache,
         inputs.value_cache,
-        inputs.block_table[b : b + 1],
-        inputs.seq_lens[b : b + 1],
-        torch.tensor([0, q_len]),
+        inputs.block_table[row : row + 1],
+        inputs.seq_lens[row : row + 1],
+        torch.tensor([0, rows_walked]),
     )
     blocks: list[BlockLine] = []
 
     def on_block(*, block: int, n_valid: int, logits, m, l, rescale, acc, **_: Any) -> None:
-        scores = logits[h, g, t]
+        scores = logits[h, g, local]
         visible = torch.isfinite(scores)
         blocks.append(
             BlockLine(
@@ -155,10 +168,10 @@ def walk_query(
                 n_valid=n_valid,
                 n_visible=int(visible.sum()),
                 block_max=_f(scores.max()) if bool(visible.any()) else -math.inf,
-                m=_f(m[h, g, t]),
-                l=_f(l[h, g, t]),
-                rescale=_f(rescale[h, g, t]),
-                acc_norm=_f(acc[h, g, t].norm()),
+                m=_f(m[h, g, local]),
+                l=_f(l[h, g, local]),
+                rescale=_f(rescale[h, g, local]),
+                acc_norm=_f(acc[h, g, local].norm()),
             )
         )
 
@@ -166,7 +179,7 @@ def walk_query(
     lses: list[tuple[int, int, float]] = []
 
     def on_partition(*, first: int, last: int, lse, **_: Any) -> None:
-        lses.append((first, last, _f(lse[h, g, t])))
+        lses.append((first, last, _f(lse[h, g, local])))
 
     parted = _kernel.paged_attention_partitioned(
         *args, compute_dtype=REFERENCE_DTYPE, partition_size=partition, on_partition=on_partition, **inputs.kwargs
@@ -186,7 +199,7 @@ def walk_query(
     expected, baseline = reference_outputs(inputs)
     num = inputs.num_tokens
     bar = tolerance(expected[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
-    ours, vllm = loop[t, head], tensors["output"][q0 + t, head].to(REFERENCE_DTYPE)
+    ours, vllm = loop[local, head], tensors["output"][q_first + local, head].to(REFERENCE_DTYPE)
     return QueryWalk(
         trace=str(trace.path),
         step=record.step,
@@ -206,7 +219,7 @@ def walk_query(
         partition_size=partition,
         partitions=tuple(partitions),
         lse=lse,
-        loop_vs_partitioned=_f((loop[t, head] - parted[t, head]).abs().max()),
+        loop_vs_partitioned=_f((loop[local, head] - parted[local, head]).abs().max()),
         output_norm=_f(ours.norm()),
         vllm_norm=_f(vllm.norm()),
         max_abs=_f((ours - vllm).abs().max()),

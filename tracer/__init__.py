@@ -36,12 +36,16 @@ def start(
     tensors=False,
     budget_mb=256.0,
     kv_check_every=0,
+    query_rows=0,
     export_env=True,
 ):
     """Install the tracer in this process (and, via env, in vLLM's child processes).
 
     ``kv_check_every``: with ``tensors``, every N-th tensor step of a layer also stores its
-    blocks whole, to check the KV write log's rebuild against (0: never).
+    blocks whole, to check the KV write log's rebuild against (0: never). ``query_rows``: with
+    ``tensors``, store the query and output of at most this many rows a step (0: all), chosen by
+    ``tracer.format.rows.sample_rows``; the KV write log stays whole, so replay judges each kept
+    row over its full context.
     """
     from tracer.hooks import Tracer
     from tracer.options import TracerOptions
@@ -52,7 +56,8 @@ def start(
         steps=tuple(steps),
         tensors=tensors,
         budget_bytes=int(budget_mb * 2**20),
-        kv_check_every=int(kv_check_every),
+        kv_check_every=kv_check_every,
+        query_rows=query_rows,
     )
     return Tracer(options).start(export_env=export_env)
 

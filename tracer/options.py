@@ -20,6 +20,7 @@ __all__ = [
     "ENV_KV_CHECK",
     "ENV_LAYERS",
     "ENV_MODEL_NAME",
+    "ENV_QUERY_ROWS",
     "ENV_STEPS",
     "ENV_TENSORS",
     "ENV_WEIGHTS",
@@ -33,6 +34,7 @@ ENV_STEPS = "PAGEDTRACE_STEPS"
 ENV_TENSORS = "PAGEDTRACE_TENSORS"
 ENV_BUDGET = "PAGEDTRACE_BUDGET_MB"
 ENV_KV_CHECK = "PAGEDTRACE_KV_CHECK_EVERY"
+ENV_QUERY_ROWS = "PAGEDTRACE_QUERY_ROWS"
 
 #: Set by ``pagedtrace run`` (``tracer.session``) for the manifest's ``ModelSummary``: the
 #: preset or model the user named, and how its weights were made.
@@ -50,6 +52,8 @@ class TracerOptions:
     KV write log (``tracer.writelog``), for request steps, within ``budget_bytes``.
     ``kv_check_every``: every N-th tensor step of a layer also stores the blocks it reads
     whole, so the write log's rebuild can be checked against them bit for bit (0: never).
+    ``query_rows``: with ``tensors``, keep the query and output of at most this many rows a
+    step (``tracer.format.rows.sample_rows``; 0: every row). The write log stays whole.
     """
 
     directory: str
@@ -58,6 +62,13 @@ class TracerOptions:
     tensors: bool = False
     budget_bytes: int = 256 * 2**20
     kv_check_every: int = 0
+    query_rows: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_check_every", "query_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> TracerOptions | None:
@@ -72,7 +83,8 @@ class TracerOptions:
             steps=parse_steps(env.get(ENV_STEPS, "")),
             tensors=env.get(ENV_TENSORS, "0").lower() in ("1", "true", "yes", "on"),
             budget_bytes=int(float(env.get(ENV_BUDGET, "256")) * 2**20),
-            kv_check_every=int(env.get(ENV_KV_CHECK, "0") or 0),
+            kv_check_every=_count(env, ENV_KV_CHECK),
+            query_rows=_count(env, ENV_QUERY_ROWS),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -86,6 +98,7 @@ class TracerOptions:
             ENV_TENSORS: "1" if self.tensors else "0",
             ENV_BUDGET: str(self.budget_bytes / 2**20),
             ENV_KV_CHECK: str(self.kv_check_every),
+            ENV_QUERY_ROWS: str(self.query_rows),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -94,3 +107,15 @@ class TracerOptions:
         d["layers"] = self.layers if isinstance(self.layers, str) else list(self.layers)
         d["steps"] = list(self.steps)
         return d
+
+
+def _count(env: Any, name: str) -> int:
+    """A ``PAGEDTRACE_*`` count (unset or empty: 0); a ``ValueError`` of one line naming it otherwise."""
+    text = (env.get(name) or "0").strip()
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected an integer >= 0") from None
+    if value < 0:
+        raise ValueError(f"{name}={text!r}: expected an integer >= 0")
+    return value

@@ -97,6 +97,7 @@ class SessionConfig:
     max_num_batched_tokens: int | None = None  #: scheduler token budget per step; small = chunked prefill
     prefix_caching: bool = True  #: vLLM's ``enable_prefix_caching`` (``--no-prefix-caching`` turns it off)
     kv_check_every: int = 0  #: every N-th tensor step also stores whole blocks (checks the write log)
+    query_rows: int = 0  #: keep the query/output of at most this many rows a step (0: all)
 
 
 @dataclass
@@ -198,6 +199,7 @@ def validate_config(cfg: SessionConfig) -> None:
         ("--max-tokens", cfg.max_tokens, 1),
         ("--shared-prefix", cfg.shared_prefix, 0),
         ("--kv-check-every", cfg.kv_check_every, 0),
+        ("--query-rows", cfg.query_rows, 0),
     ):
         if value < least:
             raise ValueError(f"{flag} must be {'positive' if least else '0 or more'}, got {value}")
@@ -351,6 +353,7 @@ def run_session(
                 tensors=cfg.tensors,
                 budget_mb=cfg.budget_mb,
                 kv_check_every=cfg.kv_check_every,
+                query_rows=cfg.query_rows,
             )
         notify("phase", "engine", None)
         t0 = time.perf_counter()

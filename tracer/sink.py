@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from tracer.format import GapRecord, RunInfo, StepRecord, TraceWriter
+from tracer.format.rows import QUERY_ROWS, sample_rows
+from tracer.format.schema import KV_INPUTS_WRITTEN
 from tracer.jsonline import encode_line
 from tracer.manifest import tp_rank, write_manifest
 from tracer.options import TracerOptions
@@ -189,11 +191,20 @@ class TraceSink:
             index = torch.from_numpy(rows_of[np.searchsorted(ids, wanted)]).to(read_blocks.device)
             return read_blocks.index_select(0, index)
 
+        kept = None
+        if self.options.query_rows and n > self.options.query_rows:
+            kept = sample_rows(record.query_start_loc, self.options.query_rows, record.step)
         stream = self.side_stream() if on_cuda else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            out: dict[str, Any] = {
-                k: _to_host(dev[k], on_cuda) for k in ("query", "output", "key", "value") if k in dev
-            }
+            picked = {k: dev[k] for k in ("query", "output") if k in dev}
+            if kept is not None:
+                index = torch.tensor(kept, dtype=torch.long, device=dev["query"].device)
+                picked = {k: t.index_select(0, index) for k, t in picked.items()}
+            out: dict[str, Any] = {k: _to_host(t, on_cuda) for k, t in picked.items()}
+            same = inputs_are_written(dev, rows, n)
+            for k in ("key", "value"):
+                if k in dev and not same:
+                    out[k] = _to_host(dev[k], on_cuda)
             written = _to_host(dev["written"], on_cuda)
             out["kv_new_blocks"] = _to_host(blocks_of(np.asarray(new_blocks, dtype=np.int64)), on_cuda)
             if check:
@@ -204,8 +215,12 @@ class TraceSink:
                 done.record(stream)
                 done.synchronize()
         spec_heads = (record.num_heads, record.head_size)
-        out["query"] = out["query"].reshape(n, *spec_heads)
-        out["output"] = out["output"].reshape(n, *spec_heads)
+        out["query"] = out["query"].reshape(-1, *spec_heads)
+        out["output"] = out["output"].reshape(-1, *spec_heads)
+        if kept is not None:
+            out[QUERY_ROWS] = torch.tensor(kept, dtype=torch.int64)
+        if same:
+            out[KV_INPUTS_WRITTEN] = torch.ones(1, dtype=torch.uint8)
         out["kv_slots"] = torch.from_numpy(slots[rows])
         out["kv_written"] = written[torch.from_numpy(rows)] if len(rows) != written.shape[0] else written
         out["kv_new_block_ids"] = torch.tensor(new_blocks, dtype=torch.int32)
@@ -287,6 +302,27 @@ class TraceSink:
             except OSError as exc:
                 self.on_fail(f"pagedtrace: cannot finish the trace's manifest in {self.options.directory}: {exc}")
         self._writer = None
+
+
+def inputs_are_written(dev: dict[str, Any], rows: Any, n: int) -> bool:
+    """Whether the step's ``key``/``value`` equal ``written`` (the cache at their slots) bit for bit.
+
+    ``rows``: the tokens that wrote (slot not -1), a numpy array. True only for a cache that keeps
+    its inputs as they are (bf16/fp16, not fp8): then storing them again would add nothing. The
+    comparison runs on the device (the writer's stream, which then waits for it).
+    """
+    import torch
+
+    key, value, written = dev.get("key"), dev.get("value"), dev["written"]
+    if key is None or value is None or key.dtype != written.dtype or value.dtype != written.dtype:
+        return False
+    if key.shape[0] < n or value.shape[0] < n or tuple(key.shape[1:]) != tuple(written.shape[2:]):
+        return False
+    index = torch.from_numpy(rows).to(written.device)
+    got = written.index_select(0, index)
+    sent = torch.stack([key[:n].index_select(0, index), value[:n].index_select(0, index)], dim=1)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[written.element_size()]
+    return bool(torch.equal(got.contiguous().view(ints), sent.contiguous().view(ints)))
 
 
 def _to_host(tensor: Any, on_cuda: bool) -> Any:

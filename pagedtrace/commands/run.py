@@ -88,6 +88,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="every N-th tensor step also stores whole KV blocks, to check the write log against (0: never)",
     )
     p.add_argument(
+        "--query-rows",
+        type=int,
+        default=0,
+        metavar="K",
+        help="store the query and output of at most K rows a step (0: every row); the KV write log stays whole",
+    )
+    p.add_argument(
         "--cudagraph-mode",
         default=None,
         metavar="MODE",
@@ -147,6 +154,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         tensors=args.tensors,
         budget_mb=args.budget_mb,
         kv_check_every=args.kv_check_every,
+        query_rows=args.query_rows,
         multiprocess=args.multiprocess,
         gpu_memory_utilization=args.gpu_memory_utilization,
         prefix_caching=args.prefix_caching,

@@ -21,6 +21,7 @@ Standard library only: tensors are checked through their ``shape`` and ``dtype``
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import types
@@ -28,9 +29,11 @@ from collections.abc import Mapping
 from typing import Any, Union, get_args, get_origin
 
 from tracer.format.errors import TraceError
+from tracer.format.rows import QUERY_ROWS
 
 __all__ = [
     "INT_RANGES",
+    "KV_INPUTS_WRITTEN",
     "MAX_BLOCK_TABLE_ENTRIES",
     "MAX_LENGTHS",
     "MAX_LIST",
@@ -377,6 +380,11 @@ def _dtype_name(t: Any) -> str:
 #: its step wrote and the blocks the trace had not seen yet (:mod:`tracer.format.kvlog`).
 WRITE_LOG_TENSORS = ("kv_slots", "kv_written", "kv_new_block_ids", "kv_new_blocks")
 
+#: Format 4: the ``key``/``value`` ``do_kv_cache_update`` received equal ``kv_written`` bit for bit
+#: (the tracer compared them on the device), so they are not stored again; a one-element marker
+#: in their place, and ``Trace.tensors`` gives them back from ``kv_written``.
+KV_INPUTS_WRITTEN = "kv_inputs_written"
+
 
 def check_tensors(r: Any, tensors: Mapping[str, Any], spec: Any | None) -> None:
     """The tensors read with ``r`` have the shapes ``r`` implies (``spec``: the manifest's cache, or None).
@@ -391,15 +399,24 @@ def check_tensors(r: Any, tensors: Mapping[str, Any], spec: Any | None) -> None:
     ``kv_new_block_ids`` / ``kv_new_blocks`` as ``kv_block_ids`` / ``kv_blocks``.
     """
     where = f"step {r.step} layer {r.layer[:80]!r}"
+    kept = _check_query_rows(r, where, tensors)
     heads = {"query": r.num_heads, "output": r.num_heads, "key": r.num_kv_heads, "value": r.num_kv_heads}
     for name, h in heads.items():
         if name in tensors:
             shape = _shape(tensors[name])
-            if len(shape) != 3 or shape[1:] != (h, r.head_size) or shape[0] < r.num_actual_tokens:
+            if kept is not None and name in ("query", "output"):
+                if shape != (kept, h, r.head_size):
+                    raise TraceError(
+                        f"{where}: tensor {name} has shape {list(shape)}, expected [{kept}, {h}, {r.head_size}] "
+                        "(the rows query_rows lists, heads, head_size)"
+                    )
+            elif len(shape) != 3 or shape[1:] != (h, r.head_size) or shape[0] < r.num_actual_tokens:
                 raise TraceError(
                     f"{where}: tensor {name} has shape {list(shape)}, expected [T >= {r.num_actual_tokens}, "
                     f"{h}, {r.head_size}] (num_actual_tokens, heads, head_size)"
                 )
+    if KV_INPUTS_WRITTEN in tensors and ("key" in tensors or "value" in tensors or "kv_written" not in tensors):
+        raise TraceError(f"{where}: tensor {KV_INPUTS_WRITTEN} goes with kv_written, and without key/value")
     _check_blocks(where, tensors, "kv_block_ids", "kv_blocks", spec)
     if getattr(r, "kv_log_epoch", None) is not None:
         missing = [name for name in WRITE_LOG_TENSORS if name not in tensors]
@@ -409,6 +426,22 @@ def check_tensors(r: Any, tensors: Mapping[str, Any], spec: Any | None) -> None:
             )
     _check_blocks(where, tensors, "kv_new_block_ids", "kv_new_blocks", spec)
     _check_written(r, where, tensors, spec)
+
+
+def _check_query_rows(r: Any, where: str, tensors: Mapping[str, Any]) -> int | None:
+    """``query_rows`` (format 4): strictly increasing rows of the step; how many (None: all rows kept)."""
+    rows = tensors.get(QUERY_ROWS)
+    if rows is None:
+        return None
+    shape = _shape(rows)
+    if len(shape) != 1 or not _is_integer(rows):
+        raise TraceError(f"{where}: tensor {QUERY_ROWS} has shape {list(shape)} {rows.dtype}, expected 1-D integers")
+    values = [int(x) for x in rows.tolist()]
+    if any(b <= a for a, b in itertools.pairwise(values)):
+        raise TraceError(f"{where}: tensor {QUERY_ROWS} is not strictly increasing")
+    if values and (values[0] < 0 or values[-1] >= r.num_actual_tokens):
+        raise TraceError(f"{where}: tensor {QUERY_ROWS} names rows outside 0..{r.num_actual_tokens - 1}")
+    return len(values)
 
 
 def _check_blocks(where: str, tensors: Mapping[str, Any], ids_name: str, blocks_name: str, spec: Any | None) -> None:

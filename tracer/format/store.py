@@ -37,7 +37,7 @@ from tracer.format.reading import (
     read_json_file,
 )
 from tracer.format.records import GapRecord, RunInfo, StepRecord, TraceError, record_from_json, record_to_json
-from tracer.format.schema import check_step_in_cache, check_tensors
+from tracer.format.schema import KV_INPUTS_WRITTEN, check_step_in_cache, check_tensors
 from tracer.format.version import FORMAT_VERSION, READABLE_VERSIONS
 
 if TYPE_CHECKING:
@@ -245,7 +245,10 @@ class Trace:
 
         A write-log record (format 3, ``kv_log_epoch`` set) gets ``kv_blocks`` / ``kv_block_ids``
         rebuilt from its run's log (:mod:`tracer.format.kvlog`), unless it is a check step that
-        stores them: then the stored ones are returned, as in format 2.
+        stores them: then the stored ones are returned, as in format 2. A format-4 file that
+        marks its ``key``/``value`` as equal to ``kv_written`` (``kv_inputs_written``) gets them
+        back from it; one that keeps only some query rows has ``query_rows``
+        (:mod:`tracer.format.rows`).
         """
         file = self.tensor_path(record)
         try:
@@ -258,6 +261,8 @@ class Trace:
         if missing:
             raise TraceError(f"{file}: tensors {sorted(missing)} missing")
         check_tensors(record, loaded, self.run.kv_cache)
+        if loaded.pop(KV_INPUTS_WRITTEN, None) is not None:
+            loaded["key"], loaded["value"] = inputs_from_written(record, loaded["kv_written"])
         if record.kv_log_epoch is not None and "kv_blocks" not in loaded:
             loaded["kv_block_ids"], loaded["kv_blocks"] = self.kv_log.rebuild(record, loaded)
         return loaded
@@ -372,3 +377,25 @@ def read_manifest(path: Path) -> RunInfo:
 def write_side_file(path: str | os.PathLike[str], name: str, data: Any) -> None:
     """Write a JSON side file (``session.json``, ``replay.json``) into a trace directory atomically."""
     _atomic_write_text(Path(path) / name, json.dumps(data, indent=2) + "\n")
+
+
+def inputs_from_written(record: StepRecord, written: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key``, ``value`` ``[num_actual_tokens, H_kv, D]`` as ``do_kv_cache_update`` got them, from ``kv_written``.
+
+    For a file marked ``kv_inputs_written``: the tracer found the step's inputs equal, bit for bit,
+    to the cache entries at their slots. Row ``i`` is ``kv_written``'s row for the ``i``-th slot
+    that is not -1; padding rows (slot -1, never written) are zeros.
+    """
+    import torch
+
+    n = record.num_actual_tokens
+    rows = torch.tensor([i for i, s in enumerate(record.slot_mapping[:n]) if s >= 0], dtype=torch.long)
+    if len(rows) != written.shape[0]:
+        raise TraceError(
+            f"step {record.step} layer {record.layer[:80]!r}: kv_written has {written.shape[0]} rows, "
+            f"slot_mapping {len(rows)} written slots"
+        )
+    key = written.new_zeros((n, *written.shape[2:]))
+    value = written.new_zeros((n, *written.shape[2:]))
+    key[rows], value[rows] = written[:, 0], written[:, 1]
+    return key, value

@@ -38,7 +38,15 @@ __version__ = "0.3.0"
 #:   numbers the runs of consecutive logged steps a layer's blocks are rebuilt over
 #:   (``tracer.format.kvlog``). ``kv_blocks`` / ``kv_block_ids`` remain for check steps (the
 #:   whole blocks, to prove the rebuild) and in version-1/2 traces.
-FORMAT_VERSION = 3
+#: 4 (pagedtrace 0.3, 2026-12-01, a later change of the same release)
+#:   Two optional tensors of a tensor file, no record change. ``query_rows`` (int64, strictly
+#:   increasing): the step kept only these query rows (``tracer.start(query_rows=K)``), and
+#:   ``query`` / ``output`` hold just them; replay judges each as a one-token request over its
+#:   causal context (``tracer.format.rows``). ``kv_inputs_written`` (a one-element marker): the
+#:   tracer found the ``key`` / ``value`` ``do_kv_cache_update`` received equal, bit for bit, to
+#:   ``kv_written`` and did not store them again; readers give them back from ``kv_written``
+#:   (``Trace.tensors``). A version-3 reader would misread both, hence the bump.
+FORMAT_VERSION = 4
 
 #: Format versions this pagedtrace reads.
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
