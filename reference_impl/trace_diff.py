@@ -34,7 +34,7 @@ class _Outputs:
         self.layout = resolve_layout(trace, list(self.by_key.values())) if self.by_key else ""
         self.cache: dict[tuple[int, str], tuple[StepRecord, StepInputs, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def bar(self, step: int, layer: str, rows: slice) -> torch.Tensor:
+    def bar(self, step: int, layer: str, rows: list[int]) -> torch.Tensor:
         """``[H]``: replay's per-head bar over ``rows`` of the step's output."""
         _, inputs, _, expected, baseline = self.get(step, layer)
         return head_bars(expected[rows], baseline[rows], dtype=inputs.out_dtype)[0]
@@ -57,6 +57,17 @@ def _rows(record: StepRecord, request_id: str) -> tuple[int, int, int]:
     return q[row], q[row + 1] - q[row], record.seq_lens[row]
 
 
+def _positions(inputs: StepInputs, start: int, length: int, seq: int) -> dict[int, int]:
+    """Sequence position -> row of the captured ``output``, for the request's rows ``start .. start+length``.
+
+    Every row when all were kept; with format 4's ``query_rows`` only the kept ones.
+    """
+    first = seq - length
+    if inputs.kept is None:
+        return {first + i: start + i for i in range(length)}
+    return {first + r - start: i for i, r in enumerate(inputs.kept.rows) if start <= r < start + length}
+
+
 def output_differences(a: Trace, b: Trace, diff: TraceDiff) -> TraceDiff:
     """``diff`` with :attr:`TraceDiff.outputs` filled where both sides captured tensors.
 
@@ -70,16 +81,17 @@ def output_differences(a: Trace, b: Trace, diff: TraceDiff) -> TraceDiff:
                 layer for (s, layer) in side_a.by_key if s == pair.step_a and (pair.step_b, layer) in side_b.by_key
             ]
             for layer in layers:
-                rec_a, _, out_a, _, _ = side_a.get(pair.step_a, layer)
-                rec_b, _, out_b, _, _ = side_b.get(pair.step_b, layer)
+                rec_a, in_a, out_a, _, _ = side_a.get(pair.step_a, layer)
+                rec_b, in_b, out_b, _, _ = side_b.get(pair.step_b, layer)
                 start_a, len_a, seq = _rows(rec_a, request.id_a)
-                start_b, len_b, _ = _rows(rec_b, request.id_b)
-                # Positions both steps computed: the last min(len_a, len_b) of the sequence.
-                n = min(len_a, len_b)
-                if n == 0:
+                start_b, len_b, seq_b = _rows(rec_b, request.id_b)
+                # Positions both steps computed (the last min(len_a, len_b) of the sequence) and kept.
+                at_a = _positions(in_a, start_a, len_a, seq)
+                at_b = _positions(in_b, start_b, len_b, seq_b)
+                both = sorted(at_a.keys() & at_b.keys())
+                if not both:
                     continue
-                rows_a = slice(start_a + len_a - n, start_a + len_a)
-                rows_b = slice(start_b + len_b - n, start_b + len_b)
+                rows_a, rows_b = [at_a[p] for p in both], [at_b[p] for p in both]
                 max_abs = (out_a[rows_a] - out_b[rows_b]).abs().amax(dim=(0, 2))
                 bar = side_a.bar(pair.step_a, layer, rows_a) + side_b.bar(pair.step_b, layer, rows_b)
                 outputs.append(
@@ -89,7 +101,7 @@ def output_differences(a: Trace, b: Trace, diff: TraceDiff) -> TraceDiff:
                         step_a=pair.step_a,
                         step_b=pair.step_b,
                         layer=layer,
-                        positions=(seq - n, seq),
+                        positions=(both[0], both[-1] + 1),
                         max_abs=tuple(float(x) for x in max_abs),
                         bar=tuple(float(x) for x in bar),
                     )

@@ -19,7 +19,9 @@ from reference_impl.inputs import step_inputs
 from reference_impl.replay import replay_record, replay_trace
 from reference_impl.resolve import kv_spec, resolve_layout
 from reference_impl.stepper import walk_query
+from reference_impl.trace_diff import output_differences
 from tracer.format import Trace, TraceError
+from tracer.format.diff import diff_traces
 from tracer.format.rows import QUERY_ROWS, row_view, sample_rows
 from tracer.format.schema import KV_INPUTS_WRITTEN, check_tensors
 from tracer.options import TracerOptions
@@ -93,6 +95,7 @@ def _files(trace: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {f.name: load_file(str(f)) for f in sorted((trace / "tensors").iterdir())}
 
 
+@pytest.mark.engine
 def test_same_tokens_and_same_rows(kept_trace, cpu_trace):
     ours = json.loads((kept_trace / "session.json").read_text())
     full = json.loads((cpu_trace / "session.json").read_text())
@@ -113,6 +116,7 @@ def test_same_tokens_and_same_rows(kept_trace, cpu_trace):
     assert sampled >= 1  # the prefill (4 requests: every decode step keeps all its rows)
 
 
+@pytest.mark.engine
 def test_key_value_stored_once_given_back(kept_trace, cpu_trace):
     """A bf16 cache keeps its inputs as they are: the file marks them and ``Trace.tensors`` gives them back."""
     ours, full = Trace.open(kept_trace), Trace.open(cpu_trace)
@@ -127,6 +131,7 @@ def test_key_value_stored_once_given_back(kept_trace, cpu_trace):
             assert torch.equal(got[k][written], want[k][:n][written]), (record.step, k)
 
 
+@pytest.mark.engine
 def test_replay_judges_kept_rows(kept_trace):
     trace = Trace.open(kept_trace)
     report = replay_trace(trace, kernel="fast")
@@ -136,6 +141,7 @@ def test_replay_judges_kept_rows(kept_trace):
     assert all(w.ok and w.tokens > 0 for w in report.write_path)
 
 
+@pytest.mark.engine
 def test_kept_rows_as_the_batched_step_judges_them(cpu_trace):
     """Rows cut out of a full trace and judged alone get the batched step's reference, and a planted error fails."""
     trace = Trace.open(cpu_trace)
@@ -160,6 +166,7 @@ def test_kept_rows_as_the_batched_step_judges_them(cpu_trace):
     assert not replay_record(record, bad, spec, layout)[0].ok
 
 
+@pytest.mark.engine
 def test_bad_query_rows_are_one_line(cpu_trace):
     trace = Trace.open(cpu_trace)
     record = next(r for r in trace.records if r.tensors and r.num_actual_tokens > 4)
@@ -182,6 +189,7 @@ def test_bad_query_rows_are_one_line(cpu_trace):
         check_tensors(record, both, trace.run.kv_cache)
 
 
+@pytest.mark.engine
 def test_walk_a_kept_row_and_refuse_a_dropped_one(kept_trace):
     trace = Trace.open(kept_trace)
     record = next(r for r in trace.records if r.tensors and QUERY_ROWS in r.tensor_names and r.num_reqs > 1)
@@ -194,3 +202,14 @@ def test_walk_a_kept_row_and_refuse_a_dropped_one(kept_trace):
     dropped = next(x for x in range(qsl[b + 1] - qsl[b]) if qsl[b] + x not in rows)
     with pytest.raises(TraceError, match="the trace kept query rows"):
         walk_query(trace, record.step, record.request_ids[b], 0, layer=record.layer, token=dropped)
+
+
+@pytest.mark.engine
+def test_diff_compares_the_kept_rows(kept_trace, cpu_trace):
+    """Against the same session with every row kept: only kept positions are compared, and they are equal."""
+    a, b = Trace.open(kept_trace), Trace.open(cpu_trace)
+    diff = output_differences(a, b, diff_traces(a, b))
+    assert diff.outputs and all(o.ok and max(o.max_abs) == 0 for o in diff.outputs)
+    prefill = [o for o in diff.outputs if o.positions[1] - o.positions[0] > 1]
+    kept = {(r.step, r.layer): r for r in a.records if r.tensors and QUERY_ROWS in r.tensor_names}
+    assert kept and prefill and all((o.step_a, o.layer) in kept for o in prefill)
