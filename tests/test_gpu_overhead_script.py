@@ -258,6 +258,7 @@ def test_benchmark_cpu_invocation(tmp_path):
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
     flags = ["--model", "tiny", "--modes", "eager", "--prompts", "4", "--prompt-len", "20:40", "--max-tokens", "8"]
+    flags += ["--cases", "untraced,metadata,tensors-l0,tensors-all,tensors-l0-rows8"]
     proc = subprocess.run(
         [sys.executable, str(BENCH), *flags, "--batches", "2", "--json", str(out), "--md", str(md)],
         capture_output=True,
@@ -269,7 +270,7 @@ def test_benchmark_cpu_invocation(tmp_path):
     report = json.loads(out.read_text())
     assert report["vllm_version"] == "0.26.0" and report["machine"]
     cases = {c["case"]: c for c in report["cases"]}
-    assert list(cases) == ["untraced", "metadata", "tensors-l0", "tensors-all"]
+    assert list(cases) == ["untraced", "metadata", "tensors-l0", "tensors-all", "tensors-l0-rows8"]
     assert all(c["mode"] == "eager" and c["crash"] is None for c in cases.values())
     for name, c in cases.items():
         assert c["tokens"]["generated"] == c["tokens"]["expected"] == 4 * 8 * 2
@@ -287,7 +288,7 @@ def test_benchmark_cpu_invocation(tmp_path):
         assert c["tokens"]["in_trace"] == c["tokens"]["expected"]
         assert set(c["cudagraph_steps"]) <= {"none", "unrecorded"}
         assert c["trace_bytes"] > 0
-        layers = {"metadata": 1, "tensors-l0": 1, "tensors-all": 2}[name]
+        layers = {"metadata": 1, "tensors-l0": 1, "tensors-all": 2, "tensors-l0-rows8": 1}[name]
         assert c["layers"] == layers and c["layer_steps"] == layers * steps["recorded"]
         tensors = c["tensors"]
         if name == "metadata":
@@ -296,8 +297,11 @@ def test_benchmark_cpu_invocation(tmp_path):
             assert tensors["layer_steps"] == c["layer_steps"]
             assert tensors["ratio_to_ideal"] >= 1.0
             assert {"query", "output"} <= set(tensors["bytes_per_layer_step_by_name"])
+    # 8 rows kept a step: the prefills' query and output shrink, the key/value written do not
+    full, kept = (cases[c]["tensors"]["bytes_per_layer_step_by_name"] for c in ("tensors-l0", "tensors-l0-rows8"))
+    assert kept["query"] < full["query"] and kept["kv_written"] == full["kv_written"] and "query_rows" in kept
     table = md.read_text().splitlines()
-    assert "vLLM 0.26.0" in table[0] and len(table) == 4 + 4
+    assert "vLLM 0.26.0" in table[0] and len(table) == 4 + 5
     assert proc.stdout.count(" wall ") == 4  # one line per case, with its wall time
 
 

@@ -157,7 +157,7 @@ def test_kv_layout_of_names_a_stored_registry_layout():
     assert hooks.TracerOptions is TracerOptions  # still importable where the rooms import it
 
 
-def _fake_step_engine(tmp_path, *, tensors=False):
+def _fake_step_engine(tmp_path, *, tensors=False, layers=(0,)):
     """A tracer with its writer thread, and a V2-like runner whose one step replayed a padded full graph.
 
     Three requests padded to four rows (the padded row has seq_len 0 and slot -1), as vLLM's V2
@@ -170,7 +170,7 @@ def _fake_step_engine(tmp_path, *, tensors=False):
 
     from tracer.ring import WriterThread
 
-    t = Tracer(TracerOptions(str(tmp_path / "trace"), layers=(0,), tensors=tensors))
+    t = Tracer(TracerOptions(str(tmp_path / "trace"), layers=layers, tensors=tensors))
     t._thread = WriterThread(t._pool, t._sink.handle_slot, t._on_writer_error)
     impl = types.SimpleNamespace(
         alibi_slopes=None, sinks=None, scale=0.125, num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0
@@ -314,6 +314,92 @@ def test_a_drained_step_is_on_disk_before_the_trace_closes(tmp_path):
     assert len(lines) == 1 and '"cudagraph":"full"' in lines[0]
     t._thread.close()
     t._sink.finish()
+
+
+def _spy_device_work(monkeypatch) -> list[str]:
+    """What the hooks queue on the device, in order: ``clone`` (tensors), ``copy`` (metadata), ``event``."""
+    calls: list[str] = []
+    for name, what in (("tensor_clones", "clone"), ("queue_host_copies", "copy"), ("record_event", "event")):
+        real = getattr(hooks, name)
+
+        def spy(*args, _real=real, _what=what, **kwargs):
+            calls.append(_what)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(hooks, name, spy)
+    return calls
+
+
+def test_a_request_step_records_one_event_after_the_clones_of_forward_and_the_copies_of_its_end(tmp_path, monkeypatch):
+    import types
+
+    import torch
+
+    from tracer.format import Trace
+
+    t, runner, sched, md = _fake_step_engine(tmp_path, tensors=True)
+    md.num_actual_tokens = 3  # an eager step: no padded row
+    name = "model.layers.0.self_attn.attn"
+    module = t._vllm_config.compilation_config.static_forward_context[name]
+    layer = types.SimpleNamespace(layer_name=name, impl=module.impl)
+    kv_update = wrappers.kv_update(t, lambda impl, layer, key, value, kv_cache, slot_mapping: None)
+    forward = wrappers.forward(t, lambda impl, layer, q, k, v, kv_cache, md, out: out)
+    calls = _spy_device_work(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, out = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in ((4, 4, 8), (4, 2, 8), (4, 2, 8), (4, 32)))
+    t._phase, t._depth = ["request"], 1
+    t._begin_step()
+    t._v2_req_ids = ("a", "b", "c")
+    kv_update(module.impl, layer, k, v, module.kv_cache[0], md.slot_mapping)
+    forward(module.impl, layer, q, k, v, module.kv_cache[0], md, out)
+    assert calls == ["clone"]  # forward's clones: no event yet
+    t._end_request_step(runner, (sched,), {})
+    assert calls == ["clone", "copy"]  # the step's end: still none
+    t._submit_slot()
+    assert calls == ["clone", "copy", "event"]  # one, after both, where the writer gets the slot
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is None
+    (rec,) = Trace.open(tmp_path / "trace").records
+    assert rec.cudagraph == "none" and rec.slot_mapping == (8, 20, 26)
+    assert torch.equal(Trace.open(tmp_path / "trace").tensors(rec)["query"], q[:3])
+
+
+def test_a_pass_records_one_event_for_all_its_layers_and_a_pass_of_gaps_none(tmp_path, monkeypatch):
+    import copy
+    import types
+
+    import torch
+
+    from tracer.format import Trace
+
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "thread")
+    t, runner, _sched, md = _fake_step_engine(tmp_path, layers="all")
+    module = t._vllm_config.compilation_config.static_forward_context["model.layers.0.self_attn.attn"]
+    layers = [types.SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn") for i in range(2)]
+    real = {"seq_lens": md.seq_lens[:3], "query_start_loc": md.query_start_loc[:4], "block_table": md.block_table[:3]}
+    eager = types.SimpleNamespace(**{**vars(md), **real, "slot_mapping": md.slot_mapping[:3], "num_actual_tokens": 3})
+    metadata = [eager, copy.copy(eager)]  # two KV-cache groups: each its own metadata, its own copy
+    forward = wrappers.forward(t, lambda impl, layer, q, k, v, kv_cache, md, out: out)
+    query = torch.zeros(3, 4, 8, dtype=torch.bfloat16)
+
+    def model(runner):  # a warm-up pass (``_dummy_run``): forward records each layer
+        for layer, layer_md in zip(layers, metadata, strict=True):
+            forward(module.impl, layer, query, None, None, module.kv_cache[0], layer_md, None)
+
+    calls = _spy_device_work(monkeypatch)
+    dummy_run = wrappers.runner(t, "_dummy_run")(model)
+    dummy_run(runner)
+    assert calls == ["copy", "copy", "event"]
+    metadata = [None, None]  # a pass without attention metadata (vLLM skips attention): one gap
+    dummy_run(runner)
+    assert calls == ["copy", "copy", "event"]  # gaps alone: no event
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is None
+    trace = Trace.open(tmp_path / "trace")
+    assert [(r.step, r.layer) for r in trace.records] == [(0, layers[0].layer_name), (0, layers[1].layer_name)]
+    assert [g.step for g in trace.gaps] == [1]
 
 
 def test_a_bad_event_wait_setting_is_one_line(tmp_path, monkeypatch):

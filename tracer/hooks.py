@@ -5,9 +5,11 @@ record whatever the CUDA-graph mode: a full graph replays without calling Python
 ``forward``, but the runner still builds that step's attention metadata. At the end of
 ``execute_model`` the tracer reads it (the V1 runner passes it to ``set_forward_context``;
 the V2 runner keeps it in ``execute_model_state``, and ``dispatch_cg_and_sync_dp`` says
-which graph ran), queues non-blocking copies of its tensors into a pinned ring slot
-(``tracer.capture``), records a CUDA event and hands the slot to the writer thread
-(``tracer.ring``, ``tracer.sink``). Nothing on the step waits for the device.
+which graph ran) and queues one non-blocking copy of its tensors per KV-cache group into a
+pinned ring slot (``tracer.capture``). When the step is over (``_submit_slot``) it records
+the slot's one CUDA event, after every copy and clone of the step, wherever they were made,
+and hands the slot to the writer thread (``tracer.ring``, ``tracer.sink``), which waits for
+that event before it reads any of them. Nothing on the step waits for the device.
 
 ``forward`` / ``do_kv_cache_update`` add what only they see: the query's dtype, and for
 tensor steps device-side clones of query / output / key / value plus the KV write log's
@@ -453,8 +455,7 @@ class Tracer:
             for value in tensors.values():
                 if hasattr(value, "element_size"):
                     self._pool.hold(slot, value.numel() * value.element_size())
-        # after every copy and clone above: the writer waits for it
-        record_event(slot, cuda_available(), blocking=self._blocking_events)
+        slot.queued = True  # the step's event, recorded when the slot is handed over, comes after these
         slot.payload["captures"].append(
             LayerCapture(self.step, capture_kind, static, metadata, host, req_ids, scales, tensors, reset)
         )
@@ -559,12 +560,24 @@ class Tracer:
         return dict(md), cudagraph, padded
 
     def _submit_slot(self) -> None:
+        """Hand the step's slot to the writer, its event recorded after everything the step queued.
+
+        The one event of the step, not one per captured layer (a record cost the engine's thread
+        up to ~0.1 ms under vLLM on the H200): the tensor clones ``forward`` took and the host
+        copies of the runner's step end were all queued before it, on this thread's stream. A
+        slot of gaps alone records none.
+        """
         slot, self._slot = self._slot, None
         if slot is None:
             return
         if self._thread is None:
             self._pool.release(slot)
             return
+        if slot.queued:
+            if capturing():  # not reached: copies stop, and slots are handed over, before graphs are captured
+                self._pool.release(slot)
+                raise RuntimeError("a step's copies were handed to the writer while a CUDA graph is captured")
+            record_event(slot, cuda_available(), blocking=self._blocking_events)
         self._thread.submit(slot)
 
     def _drop_slot(self) -> None:

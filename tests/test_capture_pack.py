@@ -1,0 +1,165 @@
+"""One copy per KV-cache group (``tracer.capture.pack_host_copies``), checked on CPU tensors.
+
+On CUDA ``queue_host_copies`` packs the step's metadata on the device and copies it once into
+pinned memory, and the writer thread makes the host views (``Slot.make_views``); here the same
+functions run on CPU tensors without pinning (``pin=False``).
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tracer.capture import metadata_parts, pack_host_copies, queue_host_copies
+from tracer.pending import host_lists
+from tracer.ring import Slot, SlotPool, WriterThread
+from tracer.writer_process import _lists, host_message
+
+
+def _metadata(max_reqs: int = 8, max_blocks: int = 6, max_tokens: int = 40):
+    """Persistent runner-like buffers: int32 query_start_loc / seq_lens / block table, int64 slot_mapping."""
+    g = torch.Generator().manual_seed(0)
+    return types.SimpleNamespace(
+        query_start_loc=torch.arange(0, 3 * (max_reqs + 1), 3, dtype=torch.int32),
+        seq_lens=torch.randint(1, 2**31 - 1, (max_reqs,), generator=g, dtype=torch.int32),
+        block_table=torch.randint(-(2**31), 2**31 - 1, (max_reqs, max_blocks), generator=g, dtype=torch.int32),
+        # values past int32 and the padding slot -1: each must come back whole
+        slot_mapping=torch.tensor([2**40 + i if i % 3 else -1 for i in range(max_tokens)], dtype=torch.int64),
+    )
+
+
+def _pack(slot: Slot, name: str, parts: dict) -> dict:
+    """``pack_host_copies``, then what the writer thread does before it reads the views."""
+    views = pack_host_copies(slot, name, parts, pin=False)
+    assert views == {}  # filled by the writer thread, not on the step
+    slot.make_views()
+    assert not slot.view_makers
+    return views
+
+
+def _assert_same(views: dict, parts: dict) -> None:
+    assert list(views) == list(parts)
+    for name, src in parts.items():
+        view = views[name]
+        assert view.dtype == src.dtype and view.shape == src.shape, name
+        assert view.is_contiguous(), name
+        assert torch.equal(view, src), name
+        assert view.tolist() == src.tolist(), name
+        assert np.array_equal(view.numpy(), src.numpy()), name
+
+
+@pytest.mark.parametrize(("num_reqs", "num_tokens", "cols"), [(3, 7, 4), (5, 5, 6), (1, 1, 1), (8, 39, 2), (0, 0, 0)])
+def test_the_packed_views_equal_their_sources(num_reqs, num_tokens, cols):
+    md = _metadata()
+    parts = metadata_parts(md, num_reqs, num_tokens, cols)
+    if num_reqs > 1 and cols < md.block_table.shape[1]:
+        assert not parts["block_table"].is_contiguous()  # the slice the step reads: flattened by a kernel of its own
+    views = _pack(Slot(0), "0", parts)
+    _assert_same(views, parts)
+    # downstream readers see what they saw with one buffer per tensor
+    separate = {name: src.clone() for name, src in parts.items()}
+    assert host_lists(dict(views)) == host_lists(separate)
+    assert _lists(host_message(views)) == host_lists(separate)
+
+
+def test_int64_parts_given_after_odd_int32_parts_come_back_whole_and_aligned():
+    # given in this order, an int64 part would start at an odd int32 offset: the int64 parts go first
+    parts = {
+        "a": torch.arange(3, dtype=torch.int32),
+        "b": torch.arange(2**33, 2**33 + 12, dtype=torch.int64).view(3, 4)[:, :3],
+        "c": torch.tensor([-(2**62), 5, 2**62], dtype=torch.int64),
+        "d": torch.arange(10, dtype=torch.int32).view(2, 5)[:, 1:],
+        "e": torch.arange(2**35, 2**35 + 9, dtype=torch.int64)[::2],  # strided, 1-D
+        "f": torch.arange(9, dtype=torch.int32)[1::3],
+    }
+    views = _pack(Slot(0), "x", parts)
+    _assert_same(views, parts)
+    for name in "bcdef":
+        assert views[name].untyped_storage().data_ptr() == views["a"].untyped_storage().data_ptr()  # one buffer
+    assert all(views[name].data_ptr() % 8 == 0 for name in "bce")
+
+
+def test_the_host_buffer_is_reused_then_grown():
+    md = _metadata(max_reqs=4, max_blocks=4, max_tokens=8)
+    slot = Slot(0)
+    _pack(slot, "0", metadata_parts(md, 2, 3, 2))
+    buffer = slot.buffers["0"]
+    assert buffer.dtype == torch.int32 and list(slot.buffers) == ["0"]
+    # sized once for the runner buffers it is filled from: 5 + 4 + 16 + 2 * 8 int32 values, at least 64
+    assert buffer.numel() == 64
+    big = _metadata(max_reqs=4, max_blocks=40, max_tokens=8)
+    views = _pack(slot, "0", metadata_parts(big, 4, 8, 4))
+    assert slot.buffers["0"] is buffer  # a larger step that still fits: no new allocation
+    _assert_same(views, metadata_parts(big, 4, 8, 4))
+    views = _pack(slot, "0", metadata_parts(big, 4, 8, 40))
+    assert slot.buffers["0"] is not buffer and slot.buffers["0"].numel() >= 4 * 40 + 5 + 4 + 16
+    _assert_same(views, metadata_parts(big, 4, 8, 40))
+
+
+def test_a_part_of_another_dtype_is_not_packed():
+    parts = metadata_parts(_metadata(), 2, 3, 2)
+    for dtype in (torch.int16, torch.uint8, torch.float32):
+        assert pack_host_copies(Slot(0), "0", {**parts, "seq_lens": parts["seq_lens"].to(dtype)}, pin=False) is None
+    slot = Slot(0)
+    pack_host_copies(slot, "0", {**parts, "seq_lens": parts["seq_lens"].to(torch.int16)}, pin=False)
+    assert slot.buffers == {} and not slot.view_makers  # nothing queued: the caller copies them one by one
+
+
+def test_queue_host_copies_on_cpu_copies_each_tensor_as_before():
+    md = _metadata()
+    slot = Slot(0)
+    slot.payload = {"hosts": {}}
+    views = queue_host_copies(slot, md, 3, 7, 4)
+    _assert_same(views, metadata_parts(md, 3, 7, 4))
+    assert len(slot.buffers) == 4  # plain copies on CPU: nothing to pack
+
+
+def test_the_writer_thread_fills_the_views_before_its_handler_reads_them():
+    pool = SlotPool(2)
+    parts = metadata_parts(_metadata(), 3, 7, 4)
+    seen: list = []
+
+    def handle(slot):
+        seen.append({k: v.tolist() for k, v in slot.payload.items()})
+
+    thread = WriterThread(pool, handle, lambda exc: seen.append(exc))
+    slot = pool.acquire()
+    slot.payload = pack_host_copies(slot, "0", parts, pin=False)
+    assert slot.payload == {}
+    thread.submit(slot)
+    thread.close()
+    assert seen == [{k: v.tolist() for k, v in parts.items()}]
+    assert not slot.view_makers  # released: nothing left for the slot's next step
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_packed_steps_write_what_separate_copies_write(tmp_path, monkeypatch, mode):
+    """Through the real writer (thread, or the record writer process): the packed path, as on CUDA."""
+    import tracer.hooks
+    from tests.test_hooks import _fake_step_engine
+    from tests.test_writer_process import _steps
+
+    calls = []
+
+    def packing(slot, md, num_reqs, num_tokens, cols):  # queue_host_copies' CUDA path, without pinning
+        calls.append(num_tokens)
+        key = str(len(slot.payload["hosts"]))
+        return pack_host_copies(slot, key, metadata_parts(md, num_reqs, num_tokens, cols), pin=False)
+
+    monkeypatch.setenv("PAGEDTRACE_WRITER", mode)
+    lines = {}
+    for packed in (False, True):
+        if packed:
+            monkeypatch.setattr(tracer.hooks, "queue_host_copies", packing)
+        t, runner, sched, md = _fake_step_engine(tmp_path / str(packed))
+        t._test_engine = (t, runner, sched, md)
+        _steps(t, 3, gap_at=1)
+        t._thread.close()
+        t._sink.finish()
+        assert t.error is None
+        lines[packed] = (tmp_path / str(packed) / "trace" / "steps.jsonl").read_text().splitlines()
+    assert calls == [3, 3, 3]  # one packed copy a step
+    assert len(lines[True]) == 4 and lines[True] == lines[False]
