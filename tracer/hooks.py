@@ -575,8 +575,12 @@ class Tracer:
             return
         if slot.queued:
             if capturing():  # not reached: copies stop, and slots are handed over, before graphs are captured
-                self._pool.release(slot)
-                raise RuntimeError("a step's copies were handed to the writer while a CUDA graph is captured")
+                self._pool.release(slot)  # an event recorded now would be a graph node: drop the step, say so
+                self._fail(
+                    "pagedtrace: a step's copies reached the writer while a CUDA graph was captured; "
+                    "tracing stops, the engine runs on"
+                )
+                return
             record_event(slot, cuda_available(), blocking=self._blocking_events)
         self._thread.submit(slot)
 
