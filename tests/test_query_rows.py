@@ -142,16 +142,21 @@ def test_replay_judges_kept_rows(kept_trace):
 
 
 @pytest.mark.engine
-def test_kept_rows_as_the_batched_step_judges_them(cpu_trace):
+@pytest.mark.parametrize(("which", "k"), [("prefill", 6), ("decode", 2)])
+def test_kept_rows_as_the_batched_step_judges_them(cpu_trace, which, k):
     """Rows cut out of a full trace and judged alone get the batched step's reference, and a planted error fails."""
     trace = Trace.open(cpu_trace)
     spec, layout = kv_spec(trace), resolve_layout(trace, [r for r in trace.records if r.tensors][:1])
-    record = max((r for r in trace.records if r.tensors), key=lambda r: r.num_actual_tokens)
+    with_tensors = [r for r in trace.records if r.tensors and r.kind == "request"]
+    if which == "prefill":
+        record = max(with_tensors, key=lambda r: r.num_actual_tokens)
+    else:  # a decode step of every request: one row each, k of them kept
+        record = next(r for r in with_tensors if r.max_query_len == 1 and r.num_reqs > k)
     tensors = trace.tensors(record)
-    rows = sample_rows(record.query_start_loc, 6, record.step)
+    rows = sample_rows(record.query_start_loc, k, record.step)
     cut = {**tensors, QUERY_ROWS: torch.tensor(rows)}
-    for k in ("query", "output"):
-        cut[k] = tensors[k][list(rows)]
+    for name in ("query", "output"):
+        cut[name] = tensors[name][list(rows)]
     check_tensors(record, cut, spec)
     from reference_impl.inputs import reference_outputs
 
@@ -159,10 +164,10 @@ def test_kept_rows_as_the_batched_step_judges_them(cpu_trace):
     alone, _ = reference_outputs(step_inputs(record, cut, spec, layout))
     assert torch.allclose(alone, whole[list(rows)], rtol=0, atol=1e-12)
     result, _ = replay_record(record, cut, spec, layout)
-    assert result.ok and result.num_tokens == 6
+    assert result.ok and result.num_tokens == k
     bad = dict(cut)
     bad["output"] = cut["output"].clone()
-    bad["output"][3] *= 1.05  # one kept row 5 % off
+    bad["output"][k - 1] *= 1.05  # one kept row 5 % off
     assert not replay_record(record, bad, spec, layout)[0].ok
 
 
