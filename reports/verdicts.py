@@ -36,6 +36,7 @@ class LayerVerdict:
     max_rel: str
     tol: str
     heads: tuple[HeadVerdict, ...]
+    note: str = ""  #: replay's note on the step (e.g. ``query rows kept: 8 of 9800, ...``), or ""
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ def layer_verdicts(results: Sequence[StepResult]) -> tuple[LayerVerdict, ...]:
             _num(r.max_rel),
             _num(r.tol),
             tuple(HeadVerdict(h.head, _status(h.ok), _num(h.max_abs)) for h in r.heads),
+            r.note,
         )
         for r in results
     )

@@ -74,3 +74,14 @@ def test_kept_rows_include_last_rows():
         lasts = {q - 1 for q in record.query_start_loc[1:]}
         assert len(rows & lasts) >= min(len(lasts), 4)
         assert torch.tensor(sorted(rows)).max() < record.num_actual_tokens
+
+
+def test_report_says_which_rows_were_kept(tmp_path):
+    from reports.build import write_report
+
+    trace = _open(QWEN)
+    report = replay_trace(trace)
+    write_report(trace.path, tmp_path / "site", replay=report)
+    kept = next(r.step for r in trace.records if r.tensors and QUERY_ROWS in r.tensor_names)
+    page = (tmp_path / "site" / f"step-{kept:06d}.html").read_text()
+    assert "note: query rows kept: 8 of" in page
