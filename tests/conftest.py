@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import RUN_ARGS, run_engine
+from tests.factories import QUERY_ROWS_KEPT, RUN_ARGS, run_engine
 
 # Builders and helpers (engine_env, run_engine, SITE, needs_vllm_sources, records, batches)
 # live in tests/factories.py: import them from there, never from this file.
@@ -53,3 +53,9 @@ def cpu_trace_no_prefix_caching(tmp_path_factory) -> Path:
 def cpu_trace_block16(tmp_path_factory) -> Path:
     """:func:`cpu_trace`'s session with 16-token blocks instead of 32 (for ``pagedtrace diff``)."""
     return _engine_variant(tmp_path_factory, "block16", ["--block-size", "16"])
+
+
+@pytest.fixture(scope="session")
+def cpu_trace_query_rows(tmp_path_factory) -> Path:
+    """:func:`cpu_trace`'s session keeping ``QUERY_ROWS_KEPT`` query rows a step (format 4)."""
+    return _engine_variant(tmp_path_factory, "query-rows", ["--query-rows", str(QUERY_ROWS_KEPT)])

@@ -55,6 +55,8 @@ RUN_ARGS = [
     "--model", "tiny", "--prompts", "4", "--prompt-len", "20:90", "--shared-prefix", "64",
     "--max-tokens", "12", "--seed", "0", "--kv-check-every", "3",
 ]  # fmt: skip
+#: Query rows a step keeps in ``conftest.cpu_trace_query_rows`` (fewer than the shared prefill's rows).
+QUERY_ROWS_KEPT = 5
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

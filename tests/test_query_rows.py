@@ -20,20 +20,19 @@ from reference_impl.replay import replay_record, replay_trace
 from reference_impl.resolve import kv_spec, resolve_layout
 from reference_impl.stepper import walk_query
 from reference_impl.trace_diff import output_differences
+from tests.factories import QUERY_ROWS_KEPT
 from tracer.format import Trace, TraceError
 from tracer.format.diff import diff_traces
 from tracer.format.rows import QUERY_ROWS, row_view, sample_rows
 from tracer.format.schema import KV_INPUTS_WRITTEN, check_tensors
 from tracer.options import TracerOptions
 
-KEPT = 5
+KEPT = QUERY_ROWS_KEPT
 
 
-@pytest.fixture(scope="module")
-def kept_trace(tmp_path_factory) -> Path:
-    from tests.conftest import _engine_variant
-
-    return _engine_variant(tmp_path_factory, "query-rows", ["--query-rows", str(KEPT)])
+@pytest.fixture
+def kept_trace(cpu_trace_query_rows) -> Path:
+    return cpu_trace_query_rows
 
 
 # --------------------------------------------------------------------------- sample_rows, row_view

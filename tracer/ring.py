@@ -80,9 +80,7 @@ class Slot:
         The view holds the values once the slot's event has fired (at once on CPU).
         """
         n = src.numel()
-        buf = self.buffers.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != src.dtype:
-            buf = self.host_buffer(name, n, src.dtype, pin=src.is_cuda, sources=(src,))
+        buf = self.host_buffer(name, n, src.dtype, pin=src.is_cuda, sources=(src,))
         view = buf[:n].view(src.shape)
         view.copy_(src, non_blocking=src.is_cuda)
         return view

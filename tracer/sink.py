@@ -25,7 +25,7 @@ from tracer.options import TracerOptions
 from tracer.pending import LayerCapture, host_lists, make_record, read_static_floats
 from tracer.ring import Slot
 from tracer.runtime import cuda_available
-from tracer.writelog import WriteLog
+from tracer.writelog import INT_OF_SIZE, WriteLog
 from tracer.writer_process import RecordProcess, host_message, writer_mode
 
 __all__ = ["TraceSink"]
@@ -321,7 +321,7 @@ def inputs_are_written(dev: dict[str, Any], rows: Any, n: int) -> bool:
     index = torch.from_numpy(rows).to(written.device)
     got = written.index_select(0, index)
     sent = torch.stack([key[:n].index_select(0, index), value[:n].index_select(0, index)], dim=1)
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[written.element_size()]
+    ints = getattr(torch, INT_OF_SIZE[written.element_size()])
     return bool(torch.equal(got.contiguous().view(ints), sent.contiguous().view(ints)))
 
 

@@ -24,7 +24,15 @@ from typing import Any
 
 from tracer.format.layouts import token_elements
 
-__all__ = ["LayerGeometry", "WriteLog", "clone_read_blocks", "columns_read", "gather_written", "geometry_of"]
+__all__ = [
+    "INT_OF_SIZE",
+    "LayerGeometry",
+    "WriteLog",
+    "clone_read_blocks",
+    "columns_read",
+    "gather_written",
+    "geometry_of",
+]
 
 
 @dataclass
@@ -42,7 +50,8 @@ class LayerGeometry:
     flat: Any  #: the cache's storage as one flat integer tensor (bit-exact gathers for any dtype)
 
 
-_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+#: The integer dtype (by name) of each element size: a cache's bits gathered or compared as integers.
+INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def geometry_of(kv_cache: Any, layout: str) -> LayerGeometry:
@@ -57,7 +66,7 @@ def geometry_of(kv_cache: Any, layout: str) -> LayerGeometry:
     head, rest = positions // (bs * two_d), positions % (bs * two_d)
     token, col = rest // two_d, rest % two_d
     offsets = (head * s1 + token * s2 + col * s3).to(kv_cache.device)
-    int_dtype = getattr(torch, _INT_OF_SIZE[kv_cache.element_size()])
+    int_dtype = getattr(torch, INT_OF_SIZE[kv_cache.element_size()])
     storage = kv_cache.untyped_storage()
     numel = storage.nbytes() // kv_cache.element_size()
     flat = torch.empty(0, dtype=int_dtype, device=kv_cache.device).set_(storage, 0, (numel,), (1,))
