@@ -433,15 +433,20 @@ def _check_query_rows(r: Any, where: str, tensors: Mapping[str, Any]) -> int | N
     rows = tensors.get(QUERY_ROWS)
     if rows is None:
         return None
-    shape = _shape(rows)
-    if len(shape) != 1 or not _is_integer(rows):
-        raise TraceError(f"{where}: tensor {QUERY_ROWS} has shape {list(shape)} {rows.dtype}, expected 1-D integers")
-    values = [int(x) for x in rows.tolist()]
+    return len(_increasing(where, QUERY_ROWS, rows, r.num_actual_tokens, "rows"))
+
+
+def _increasing(where: str, name: str, t: Any, limit: int, what: str) -> list[int]:
+    """The values of tensor ``name``: 1-D integers, strictly increasing, inside ``0 .. limit - 1`` (``what``)."""
+    shape = _shape(t)
+    if len(shape) != 1 or not _is_integer(t):
+        raise TraceError(f"{where}: tensor {name} has shape {list(shape)} {t.dtype}, expected 1-D integers")
+    values = [int(x) for x in t.tolist()]
     if any(b <= a for a, b in itertools.pairwise(values)):
-        raise TraceError(f"{where}: tensor {QUERY_ROWS} is not strictly increasing")
-    if values and (values[0] < 0 or values[-1] >= r.num_actual_tokens):
-        raise TraceError(f"{where}: tensor {QUERY_ROWS} names rows outside 0..{r.num_actual_tokens - 1}")
-    return len(values)
+        raise TraceError(f"{where}: tensor {name} is not strictly increasing")
+    if values and (values[0] < 0 or values[-1] >= limit):
+        raise TraceError(f"{where}: tensor {name} names {what} outside 0..{limit - 1}")
+    return values
 
 
 def _check_blocks(where: str, tensors: Mapping[str, Any], ids_name: str, blocks_name: str, spec: Any | None) -> None:
@@ -449,15 +454,8 @@ def _check_blocks(where: str, tensors: Mapping[str, Any], ids_name: str, blocks_
     ids = tensors.get(ids_name)
     blocks = tensors.get(blocks_name)
     if ids is not None:
-        shape = _shape(ids)
-        if len(shape) != 1 or not _is_integer(ids):
-            raise TraceError(f"{where}: tensor {ids_name} has shape {list(shape)} {ids.dtype}, expected 1-D integers")
-        values = [int(x) for x in ids.tolist()]
-        if any(b >= a for a, b in zip(values[1:], values[:-1], strict=True)):
-            raise TraceError(f"{where}: tensor {ids_name} is not strictly increasing")
         limit = spec.num_blocks if spec is not None else _INT32[1] + 1
-        if values and (values[0] < 0 or values[-1] >= limit):
-            raise TraceError(f"{where}: tensor {ids_name} names blocks outside 0..{limit - 1}")
+        values = _increasing(where, ids_name, ids, limit, "blocks")
         if blocks is not None and _shape(blocks)[:1] != (len(values),):
             rows = _shape(blocks)[:1] or ("no",)
             raise TraceError(f"{where}: tensor {blocks_name} has {rows[0]} blocks for {len(values)} ids")
