@@ -131,12 +131,15 @@ def main() -> None:
         if variant == "runner-off":
             t._end_request_step = lambda *a, **k: None
         spent = {"main_s": 0.0, "writer_s": 0.0}
-        if variant == "metadata-acct":
+        if "acct" in variant:
             # Time every call into the tracer from the engine's thread, and the writer's handling of
             # each slot (after its event fired): CPU the tracer takes from a launch-bound engine.
             for name in ("_begin_step", "_end_step", "_on_forward"):
                 setattr(t, name, _timed(getattr(t, name), spent, "main_s"))
+            # (with the message to the record process)
             t._thread._handle = _timed(t._thread._handle, spent, "writer_s")
+            if t._thread._end is not None:
+                t._thread._end = _timed(t._thread._end, spent, "writer_s")
         # Untimed: the trace's first record writes its manifest; slot buffers get pinned.
         llm.generate(bs[0][:2], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
         spent.update(main_s=0.0, writer_s=0.0)
@@ -148,7 +151,7 @@ def main() -> None:
         os.environ.pop("PAGEDTRACE_WRITER", None)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)
         acct = {}
-        if variant == "metadata-acct":
+        if "acct" in variant:
             acct = {
                 "steps": steps,
                 "tracer_main_ms": round(spent["main_s"] * 1e3, 2),

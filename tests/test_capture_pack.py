@@ -1,8 +1,8 @@
 """One copy per KV-cache group (``tracer.capture.pack_host_copies``), checked on CPU tensors.
 
-On CUDA ``queue_host_copies`` packs the step's metadata on the device and copies it once into
-pinned memory, and the writer thread makes the host views (``Slot.make_views``); here the same
-functions run on CPU tensors without pinning (``pin=False``).
+``queue_host_copies`` packs the step's metadata on its device and copies it once (into pinned
+memory on CUDA); the writer thread makes the host views (``Slot.make_views``) or sends the
+buffer to the record process as it is. Here they run on CPU tensors, without pinning.
 """
 
 from __future__ import annotations
@@ -13,10 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from tracer.capture import metadata_parts, pack_host_copies, queue_host_copies
+from tracer.capture import PackedViews, metadata_parts, pack_host_copies, queue_host_copies
 from tracer.pending import host_lists
 from tracer.ring import Slot, SlotPool, WriterThread
 from tracer.writer_process import _lists, host_message
+
+
+def _parts(md, num_reqs: int, num_tokens: int, cols: int) -> dict:
+    """The step's rows of ``md``'s tensors (``metadata_parts`` by default: nothing to trim)."""
+    parts, trim = metadata_parts(md, num_reqs, num_tokens, cols)
+    assert trim is None
+    return parts
 
 
 def _metadata(max_reqs: int = 8, max_blocks: int = 6, max_tokens: int = 40):
@@ -54,7 +61,7 @@ def _assert_same(views: dict, parts: dict) -> None:
 @pytest.mark.parametrize(("num_reqs", "num_tokens", "cols"), [(3, 7, 4), (5, 5, 6), (1, 1, 1), (8, 39, 2), (0, 0, 0)])
 def test_the_packed_views_equal_their_sources(num_reqs, num_tokens, cols):
     md = _metadata()
-    parts = metadata_parts(md, num_reqs, num_tokens, cols)
+    parts = _parts(md, num_reqs, num_tokens, cols)
     if num_reqs > 1 and cols < md.block_table.shape[1]:
         assert not parts["block_table"].is_contiguous()  # the slice the step reads: flattened by a kernel of its own
     views = _pack(Slot(0), "0", parts)
@@ -85,22 +92,22 @@ def test_int64_parts_given_after_odd_int32_parts_come_back_whole_and_aligned():
 def test_the_host_buffer_is_reused_then_grown():
     md = _metadata(max_reqs=4, max_blocks=4, max_tokens=8)
     slot = Slot(0)
-    _pack(slot, "0", metadata_parts(md, 2, 3, 2))
+    _pack(slot, "0", _parts(md, 2, 3, 2))
     buffer = slot.buffers["0"]
     assert buffer.dtype == torch.int32 and list(slot.buffers) == ["0"]
     # sized once for the runner buffers it is filled from: 5 + 4 + 16 + 2 * 8 int32 values, at least 64
     assert buffer.numel() == 64
     big = _metadata(max_reqs=4, max_blocks=40, max_tokens=8)
-    views = _pack(slot, "0", metadata_parts(big, 4, 8, 4))
+    views = _pack(slot, "0", _parts(big, 4, 8, 4))
     assert slot.buffers["0"] is buffer  # a larger step that still fits: no new allocation
-    _assert_same(views, metadata_parts(big, 4, 8, 4))
-    views = _pack(slot, "0", metadata_parts(big, 4, 8, 40))
+    _assert_same(views, _parts(big, 4, 8, 4))
+    views = _pack(slot, "0", _parts(big, 4, 8, 40))
     assert slot.buffers["0"] is not buffer and slot.buffers["0"].numel() >= 4 * 40 + 5 + 4 + 16
-    _assert_same(views, metadata_parts(big, 4, 8, 40))
+    _assert_same(views, _parts(big, 4, 8, 40))
 
 
 def test_a_part_of_another_dtype_is_not_packed():
-    parts = metadata_parts(_metadata(), 2, 3, 2)
+    parts = _parts(_metadata(), 2, 3, 2)
     for dtype in (torch.int16, torch.uint8, torch.float32):
         assert pack_host_copies(Slot(0), "0", {**parts, "seq_lens": parts["seq_lens"].to(dtype)}, pin=False) is None
     slot = Slot(0)
@@ -108,30 +115,92 @@ def test_a_part_of_another_dtype_is_not_packed():
     assert slot.buffers == {} and not slot.view_makers  # nothing queued: the caller copies them one by one
 
 
-def test_queue_host_copies_on_cpu_copies_each_tensor_as_before():
+def test_queue_host_copies_packs_on_cpu_too():
     md = _metadata()
     slot = Slot(0)
     slot.payload = {"hosts": {}}
     views = queue_host_copies(slot, md, 3, 7, 4)
-    _assert_same(views, metadata_parts(md, 3, 7, 4))
-    assert len(slot.buffers) == 4  # plain copies on CPU: nothing to pack
+    assert isinstance(views, PackedViews) and list(slot.buffers) == ["0"]  # one copy, as on CUDA
+    slot.make_views()
+    _assert_same(views, _parts(md, 3, 7, 4))
 
 
-def test_the_writer_thread_fills_the_views_before_its_handler_reads_them():
+def _table_metadata(max_reqs: int = 8, width: int = 6, block_size: int = 4):
+    """Runner-like buffers whose seq_lens use at most 4 of the table's columns: ceil(seq_len / block_size) each."""
+    md = _metadata(max_reqs=max_reqs, max_blocks=width)
+    md.seq_lens = torch.tensor([1 + (5 * r) % (4 * block_size) for r in range(max_reqs)], dtype=torch.int32)
+    return md
+
+
+def test_tensors_copied_as_given_give_the_records_the_sliced_rows_give(monkeypatch):
+    from tracer import capture
+    from tracer.pending import make_record, trimmed_table
+
+    md = _table_metadata()
+    block_size, num_reqs, num_tokens = 4, 5, 7
+    cols = capture.columns_read(md.block_table, int(md.seq_lens[:num_reqs].max()), block_size)
+    assert cols < md.block_table.shape[1]  # the slice is narrower than the rows
+    lists = {}
+    for as_given in (False, True):
+        slot = Slot(0)
+        slot.payload = {"hosts": {}}
+        views = queue_host_copies(slot, md, num_reqs, num_tokens, cols, as_given=as_given)
+        if as_given:  # every row and column of the runner's tensors went, the views keep the step's
+            assert views.packed.like["block_table"][1] == tuple(md.block_table.shape)
+            assert views.packed.trim == {"query_start_loc": 6, "seq_lens": 5, "block_table": 5, "slot_mapping": 7}
+        sent = _lists(host_message(views))  # what the record process makes of it, before any view
+        slot.make_views()
+        assert views["block_table"].shape == (num_reqs, md.block_table.shape[1] if as_given else cols)
+        assert torch.equal(views["block_table"], md.block_table[:num_reqs, : views["block_table"].shape[1]])
+        assert [views[k].shape[0] for k in ("query_start_loc", "seq_lens", "slot_mapping")] == [6, 5, 7]
+        lists[as_given] = host_lists(dict(views))
+        assert trimmed_table(sent, block_size) == trimmed_table(lists[as_given], block_size)
+        assert {k: sent[k] for k in ("query_start_loc", "seq_lens", "slot_mapping")} == {
+            k: lists[as_given][k] for k in ("query_start_loc", "seq_lens", "slot_mapping")
+        }
+    fields = {"step": 0, "layer": "l", "kind": "request", "request_ids": ("",) * num_reqs, "num_actual_tokens": 7}
+    fields.update(max_query_len=3, max_seq_len=16, scale=1.0, num_heads=1, num_kv_heads=1, head_size=8)
+    fields.update(causal=True, sliding_window=None, logits_soft_cap=0.0, use_cascade=False, num_splits=0)
+    assert make_record(fields, lists[True], block_size) == make_record(fields, lists[False], block_size)
+    # a tensor past AS_GIVEN_MAX elements: the step's rows and columns, cut on the device as by default
+    monkeypatch.setattr(capture, "AS_GIVEN_MAX", md.block_table.numel() - 1)
+    slot = Slot(0)
+    slot.payload = {"hosts": {}}
+    views = queue_host_copies(slot, md, num_reqs, num_tokens, cols, as_given=True)
+    slot.make_views()
+    assert views["block_table"].shape == (num_reqs, cols) and not views.packed.trim
+
+
+def test_a_packed_copy_goes_to_the_record_process_as_its_buffer_without_a_view():
+    md = _metadata()
+    slot = Slot(0)
+    parts = _parts(md, 3, 7, 4)
+    views = pack_host_copies(slot, "0", parts, pin=False)
+    message = host_message(views)
+    assert views == {} and slot.view_makers  # no view was made for it
+    data, layout = message["packed"]
+    assert [name for name, *_ in layout] == ["slot_mapping", "query_start_loc", "seq_lens", "block_table"]
+    assert [part[3] for part in layout] == [14, 4, 3, 12] and len(data) == 4 * (14 + 4 + 3 + 12)
+    assert [part[4] for part in layout] == [-1] * 4  # the step's rows only: nothing to trim
+    assert _lists(message) == host_lists({k: v.clone() for k, v in parts.items()})
+
+
+def test_the_writer_thread_leaves_the_views_to_its_handler():
     pool = SlotPool(2)
-    parts = metadata_parts(_metadata(), 3, 7, 4)
+    parts = _parts(_metadata(), 3, 7, 4)
     seen: list = []
 
     def handle(slot):
+        seen.append(dict(slot.payload))
+        slot.make_views()
         seen.append({k: v.tolist() for k, v in slot.payload.items()})
 
     thread = WriterThread(pool, handle, lambda exc: seen.append(exc))
     slot = pool.acquire()
     slot.payload = pack_host_copies(slot, "0", parts, pin=False)
-    assert slot.payload == {}
     thread.submit(slot)
     thread.close()
-    assert seen == [{k: v.tolist() for k, v in parts.items()}]
+    assert seen == [{}, {k: v.tolist() for k, v in parts.items()}]
     assert not slot.view_makers  # released: nothing left for the slot's next step
 
 
@@ -144,16 +213,16 @@ def test_packed_steps_write_what_separate_copies_write(tmp_path, monkeypatch, mo
 
     calls = []
 
-    def packing(slot, md, num_reqs, num_tokens, cols):  # queue_host_copies' CUDA path, without pinning
+    def separate(slot, md, num_reqs, num_tokens, cols, as_given=False):  # one copy per tensor, as before
         calls.append(num_tokens)
         key = str(len(slot.payload["hosts"]))
-        return pack_host_copies(slot, key, metadata_parts(md, num_reqs, num_tokens, cols), pin=False)
+        return {n: slot.host(key + n, src) for n, src in _parts(md, num_reqs, num_tokens, cols).items()}
 
     monkeypatch.setenv("PAGEDTRACE_WRITER", mode)
     lines = {}
-    for packed in (False, True):
-        if packed:
-            monkeypatch.setattr(tracer.hooks, "queue_host_copies", packing)
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setattr(tracer.hooks, "queue_host_copies", separate)
         t, runner, sched, md = _fake_step_engine(tmp_path / str(packed))
         t._test_engine = (t, runner, sched, md)
         _steps(t, 3, gap_at=1)
@@ -161,5 +230,5 @@ def test_packed_steps_write_what_separate_copies_write(tmp_path, monkeypatch, mo
         t._sink.finish()
         assert t.error is None
         lines[packed] = (tmp_path / str(packed) / "trace" / "steps.jsonl").read_text().splitlines()
-    assert calls == [3, 3, 3]  # one packed copy a step
+    assert calls == [3, 3, 3]  # the separate copies were made
     assert len(lines[True]) == 4 and lines[True] == lines[False]

@@ -168,10 +168,8 @@ def _fake_step_engine(tmp_path, *, tensors=False, layers=(0,)):
 
     import torch
 
-    from tracer.ring import WriterThread
-
     t = Tracer(TracerOptions(str(tmp_path / "trace"), layers=layers, tensors=tensors))
-    t._thread = WriterThread(t._pool, t._sink.handle_slot, t._on_writer_error)
+    t._thread = t._writer_thread()
     impl = types.SimpleNamespace(
         alibi_slopes=None, sinks=None, scale=0.125, num_heads=4, num_kv_heads=2, head_size=8, logits_soft_cap=0
     )

@@ -54,6 +54,18 @@ def test_a_failing_handler_is_reported_once_and_slots_still_come_back():
     assert len(errors) == 1 and "disk full" in str(errors[0])
 
 
+def test_the_writer_thread_ends_each_slot_with_its_end_call():
+    pool = SlotPool(4)
+    seen: list = []
+    writer = WriterThread(pool, lambda slot: seen.append(slot.payload), seen.append, end=lambda: seen.append("end"))
+    for i in range(3):
+        slot = pool.acquire()
+        slot.payload = i
+        writer.submit(slot)
+    writer.close()
+    assert seen == [0, "end", 1, "end", 2, "end"]  # a metadata trace's message goes out with its slot
+
+
 def test_device_bytes_in_flight_are_capped():
     pool = SlotPool(4, max_device_bytes=100)
     first = pool.acquire()

@@ -5,17 +5,21 @@ nothing here waits for the device. A KV-cache group's four metadata tensors (``s
 ``query_start_loc``, ``seq_lens``, the block-table columns read) cost one device-to-host copy
 a step: :func:`pack_host_copies` packs them on the device into one int32 tensor, which one
 non-blocking copy moves into a ring slot's pinned buffer (``tracer.ring.Slot``); the writer
-thread cuts that buffer into the four host views before it reads them. Every CUDA call and
-tensor operation here costs the engine's thread microseconds (a copy ~35 µs on the H200 under
-vLLM), hence one copy, not four. On CPU (and for a dtype other than int32 / int64) each
-tensor is copied on its own (``Slot.host``). Tensor clones stay on the device until the
-writer thread (``tracer.sink``) takes them. The fields of a layer that never change (scale,
-soft-cap, heads, the backend's window) are read once into its ``LayerStatic``.
+thread sends that buffer as it is to the record writer process, or cuts it into the four
+host views before it reads them. Every CUDA call and tensor operation here costs the
+engine's thread microseconds (a copy ~35 µs on the H200 under vLLM), hence one copy, not
+four, and a metadata step's block-table rows copied whole when they are small (no kernel to
+flatten a column slice). A CPU engine takes the same path without pinning; a dtype other than
+int32 / int64 is copied tensor by tensor (``Slot.host``). Tensor clones stay on the device
+until the writer thread (``tracer.sink``) takes them. The fields of a layer that never change
+(scale, soft-cap, heads, the backend's window) are read once into its ``LayerStatic``; the
+fields of a step's metadata are read once for the layers that share it.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 from tracer.manifest import kv_layout_of
@@ -23,7 +27,44 @@ from tracer.pending import LayerStatic
 from tracer.ring import Slot
 from tracer.writelog import clone_read_blocks, columns_read, gather_written, geometry_of
 
-__all__ = ["metadata_parts", "pack_host_copies", "queue_host_copies", "read_columns", "step_fields", "tensor_clones"]
+__all__ = [
+    "AS_GIVEN_MAX",
+    "Packed",
+    "PackedViews",
+    "layer_fields",
+    "metadata_parts",
+    "pack_host_copies",
+    "queue_host_copies",
+    "read_columns",
+    "step_fields",
+    "tensor_clones",
+]
+
+#: A metadata step copies its metadata tensors as the runner gave them (no slicing on the engine's
+#: thread, no kernel to flatten a block-table column slice) while each holds at most this many
+#: ids: 256 KiB of int32 at most, a few µs of the copy engine's time.
+AS_GIVEN_MAX = 64 * 1024
+
+
+@dataclass
+class Packed:
+    """How one packed copy's host buffer is cut: its parts in buffer order, each ``width`` int32 wide."""
+
+    host: Any  #: the int32 host tensor the copy fills (a view of the slot's buffer)
+    order: tuple[str, ...]
+    widths: tuple[int, ...]
+    like: dict[str, tuple[Any, tuple[int, ...]]]  #: part -> (dtype, shape), in the caller's order
+    trim: dict[str, int]  #: part -> leading rows its view keeps (all when absent)
+
+
+class PackedViews(dict):
+    """The host views of one packed copy: empty until the writer thread fills them (``Slot.make_views``).
+
+    ``packed`` says how the buffer is cut, so that the writer can send the buffer to the record
+    writer process as it is, without making any view (``tracer.writer_process.host_message``).
+    """
+
+    packed: Packed
 
 
 def read_columns(md: Any, block_size: int) -> int:
@@ -31,32 +72,64 @@ def read_columns(md: Any, block_size: int) -> int:
     return columns_read(md.block_table, int(md.max_seq_len), block_size)
 
 
-def queue_host_copies(slot: Slot, md: Any, num_reqs: int, num_tokens: int, cols: int) -> dict[str, Any]:
-    """Non-blocking copies of the step's metadata tensors into ``slot``; the host views they fill.
+def queue_host_copies(
+    slot: Slot, md: Any, num_reqs: int, num_tokens: int, cols: int, *, as_given: bool = False
+) -> dict[str, Any]:
+    """Copies of the step's metadata tensors into ``slot`` (non-blocking on CUDA); the host views they fill.
 
-    One copy on CUDA (:func:`pack_host_copies`: the writer thread makes the views), one per
-    tensor on CPU or for an unexpected dtype (the views are made here).
+    One copy (:func:`pack_host_copies`: the writer thread makes the views, or sends the packed
+    buffer as it is), on CUDA and CPU alike; one per tensor for an unexpected dtype (the views
+    are made here). ``as_given``: copy the metadata's tensors as the runner gave them, when
+    they are small (padded rows, every block-table column; see :func:`metadata_parts`), and
+    leave the cutting to the step's rows to the writer: each slice is one more tensor operation
+    on the engine's thread (~15 µs apiece on the H200 host under vLLM), the copy engine's few
+    extra kilobytes cost it nothing. The views are the step's rows either way.
     """
     key = str(len(slot.payload["hosts"]))
-    parts = metadata_parts(md, num_reqs, num_tokens, cols)
-    if all(t.is_cuda for t in parts.values()):
-        host = pack_host_copies(slot, key, parts, pin=True)
-        if host is not None:
-            return host
-    return {name: slot.host(key + name, src) for name, src in parts.items()}
+    parts, trim = metadata_parts(md, num_reqs, num_tokens, cols, as_given=as_given)
+    host = pack_host_copies(slot, key, parts, pin=md.block_table.is_cuda, trim=trim)
+    if host is not None:
+        return host
+    views = {name: slot.host(key + name, src) for name, src in parts.items()}
+    return {name: view[: trim[name]] for name, view in views.items()} if trim else views
 
 
-def metadata_parts(md: Any, num_reqs: int, num_tokens: int, cols: int) -> dict[str, Any]:
-    """The step's rows of ``md``'s tensors (device views): what :func:`queue_host_copies` copies."""
+def metadata_parts(
+    md: Any, num_reqs: int, num_tokens: int, cols: int, *, as_given: bool = False
+) -> tuple[dict[str, Any], dict[str, int] | None]:
+    """``md``'s tensors to copy (device views), and the rows of each that are the step's.
+
+    By default the step's rows themselves (no trim). ``as_given``: each tensor as ``md`` holds
+    it (sized for the padded batch), every block-table column, with the number of leading rows
+    that are the step's; a tensor larger than :data:`AS_GIVEN_MAX` elements is cut here as by
+    default.
+    """
+    wanted = {
+        "query_start_loc": num_reqs + 1,
+        "seq_lens": num_reqs,
+        "block_table": num_reqs,
+        "slot_mapping": num_tokens,
+    }
+    if as_given:
+        given = {
+            "query_start_loc": md.query_start_loc,
+            "seq_lens": md.seq_lens,
+            "block_table": md.block_table,
+            "slot_mapping": md.slot_mapping,
+        }
+        if all(t.numel() <= AS_GIVEN_MAX for t in given.values()):
+            return given, wanted
     return {
         "query_start_loc": md.query_start_loc[: num_reqs + 1],
         "seq_lens": md.seq_lens[:num_reqs],
         "block_table": md.block_table[:num_reqs, :cols],
         "slot_mapping": md.slot_mapping[:num_tokens],
-    }
+    }, None
 
 
-def pack_host_copies(slot: Slot, name: str, parts: dict[str, Any], *, pin: bool) -> dict[str, Any] | None:
+def pack_host_copies(
+    slot: Slot, name: str, parts: dict[str, Any], *, pin: bool, trim: dict[str, int] | None = None
+) -> dict[str, Any] | None:
     """Queue ``parts`` (int32 / int64 tensors of one device) into ``slot`` with one copy.
 
     On their device one ``torch.cat`` packs the parts, flattened, into one int32 tensor (a
@@ -67,11 +140,13 @@ def pack_host_copies(slot: Slot, name: str, parts: dict[str, Any], *, pin: bool)
     the same stream. One copy (non-blocking when ``pin``) moves it into the slot's host buffer
     ``name`` (pinned when ``pin``; reused, and grown when a step needs more).
 
-    Returns a dict that :meth:`Slot.make_views` (the writer thread, before it reads them) fills
-    with the host views, one per part, of its shape and dtype, in ``parts``' order; they hold
-    the values once the slot's event has fired (at once without ``pin``). Making them is left
-    to the writer because each tensor operation costs the engine's thread microseconds. None,
-    with nothing queued, when a part is neither int32 nor int64.
+    Returns a :class:`PackedViews` that :meth:`Slot.make_views` (the writer thread, before it
+    reads them) fills with the host views, one per part, of its shape and dtype, in ``parts``'
+    order; they hold the values once the slot's event has fired (at once without ``pin``).
+    Making them is left to the writer because each tensor operation costs the engine's thread
+    microseconds; the record writer process gets the buffer itself (``PackedViews.packed``).
+    ``trim``: part -> how many leading rows the views keep (``metadata_parts``' ``as_given``).
+    None, with nothing queued, when a part is neither int32 nor int64.
     """
     import torch
 
@@ -87,28 +162,31 @@ def pack_host_copies(slot: Slot, name: str, parts: dict[str, Any], *, pin: bool)
         if src.dtype == int64:  # as int32 pairs (torch.cat takes strided int32 parts as they are)
             src = (src if src.is_contiguous() else src.contiguous()).view(int32)
         flat.append(src)
-    widths = [f.shape[0] for f in flat]
+    widths = tuple(f.shape[0] for f in flat)
     total = sum(widths)
-    host = slot.host_buffer(name, total, int32, pin=pin, sources=parts.values())[:total]
+    host = slot.host_prefix(name, total, int32, pin=pin, sources=parts.values())
     host.copy_(torch.cat(flat), non_blocking=pin)
-    views: dict[str, Any] = {}
-    like = {k: (t.dtype, t.shape) for k, t in parts.items()}
-    slot.view_makers.append(functools.partial(_fill_views, views, host, order, widths, like))
+    views = PackedViews()
+    like = {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()}
+    views.packed = Packed(host, tuple(order), widths, like, trim or {})
+    slot.view_makers.append(functools.partial(_fill_views, views))
     return views
 
 
-def _fill_views(views: dict[str, Any], host: Any, order: list[str], widths: list[int], like: dict) -> None:
-    """``pack_host_copies``' host views, into ``views``: ``host`` cut at ``widths``, as ``like`` says."""
+def _fill_views(views: PackedViews) -> None:
+    """``pack_host_copies``' host views, into ``views``: the buffer cut at its widths, as ``like`` says."""
     import torch
 
-    pieces = dict(zip(order, host.split(widths), strict=True))
-    for k, (dtype, shape) in like.items():
+    p = views.packed
+    pieces = dict(zip(p.order, p.host.split(p.widths), strict=True))
+    for k, (dtype, shape) in p.like.items():
         view = pieces[k].view(torch.int64) if dtype == torch.int64 else pieces[k]
-        views[k] = view.view(shape) if len(shape) != 1 else view
+        view = view.view(shape) if len(shape) != 1 else view
+        views[k] = view[: p.trim[k]] if k in p.trim else view
 
 
-def _static_fields(static: LayerStatic) -> dict[str, Any]:
-    """The layer's fields that no step changes, read from its impl once."""
+def layer_fields(static: LayerStatic) -> dict[str, Any]:
+    """The layer's ``StepRecord`` fields that no step changes, read from its impl once (``static.fields``)."""
     fields = static.fields
     if fields is None:
         impl = static.impl
@@ -126,23 +204,27 @@ def _static_fields(static: LayerStatic) -> dict[str, Any]:
     return fields
 
 
-def step_fields(static: LayerStatic, md: Any, num_tokens: int, cudagraph: str, padded: int | None) -> dict[str, Any]:
-    """``StepRecord`` fields of one layer's step, as Python numbers (no tensor is read)."""
-    fields = dict(_static_fields(static))
-    window = getattr(md, "sliding_window", None)
-    if window is not None:  # the metadata's own window wins over the impl's
-        fields["sliding_window"] = tuple(int(w) for w in window)
+def step_fields(md: Any, num_tokens: int, cudagraph: str, padded: int | None) -> dict[str, Any]:
+    """``StepRecord`` fields of one step's metadata, as Python numbers (no tensor is read).
+
+    The same for every layer that shares ``md`` (one KV-cache group), so read once a step; a
+    record is the layer's :func:`layer_fields` updated with these (the metadata's own sliding
+    window, when it has one, wins over the impl's).
+    """
     causal = getattr(md, "causal", True)
-    fields.update(
-        num_actual_tokens=num_tokens,
-        max_query_len=int(md.max_query_len),
-        max_seq_len=int(md.max_seq_len),
-        causal=bool(causal) if not hasattr(causal, "shape") else True,
-        use_cascade=bool(getattr(md, "use_cascade", False)),
-        num_splits=int(getattr(md, "max_num_splits", 0) or 0),
-        cudagraph=cudagraph,
-        padded_tokens=padded if padded is not None else num_tokens,
-    )
+    fields = {
+        "num_actual_tokens": num_tokens,
+        "max_query_len": int(md.max_query_len),
+        "max_seq_len": int(md.max_seq_len),
+        "causal": bool(causal) if not hasattr(causal, "shape") else True,
+        "use_cascade": bool(getattr(md, "use_cascade", False)),
+        "num_splits": int(getattr(md, "max_num_splits", 0) or 0),
+        "cudagraph": cudagraph,
+        "padded_tokens": padded if padded is not None else num_tokens,
+    }
+    window = getattr(md, "sliding_window", None)
+    if window is not None:
+        fields["sliding_window"] = tuple(int(w) for w in window)
     return fields
 
 

@@ -48,7 +48,7 @@ import threading
 from typing import Any
 
 from tracer import wrappers
-from tracer.capture import queue_host_copies, read_columns, step_fields, tensor_clones
+from tracer.capture import layer_fields, queue_host_copies, read_columns, step_fields, tensor_clones
 from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
 from tracer.manifest import import_attr
 from tracer.options import TracerOptions
@@ -152,6 +152,7 @@ class Tracer:
         self._fc: tuple[Any, str, int | None] | None = None  # set_forward_context's metadata, mode, padded size
         self._dispatch: tuple[str, int | None] | None = None  # the V2 runner's graph choice
         self._fwd_md: dict[str, Any] = {}  # request steps: the metadata forward() saw, per layer
+        self._names_cache: tuple[Any, list[str]] | None = None  # ``_wanted_of``'s last answer
         #: layers no request step traces (``options.layers`` rules them out, for good)
         self.never_traced: dict[str, bool] = {}
         #: the forward wrapper's fast path: layers it passes by at once. ``never_traced`` while a
@@ -181,9 +182,7 @@ class Tracer:
             if not any(name == "forward" for _, name, _ in self._patched):
                 self._uninstall()
                 raise RuntimeError("no vLLM attention backend found to trace (is vLLM 0.26 installed?)")
-            self._thread = WriterThread(
-                self._pool, self._sink.handle_slot, self._on_writer_error, throttle=self._throttle
-            )
+            self._thread = self._writer_thread()
             _ACTIVE = self
             if export_env:
                 env = self.options.to_env()
@@ -191,6 +190,16 @@ class Tracer:
                 os.environ.update(env)
         atexit.register(self._atexit)
         return self
+
+    def _writer_thread(self) -> WriterThread:
+        """The writer thread; it also sends a metadata trace's records to their process (``TraceSink.send_records``)."""
+        return WriterThread(
+            self._pool,
+            self._sink.handle_slot,
+            self._on_writer_error,
+            throttle=self._throttle,
+            end=self._sink.send_records,
+        )
 
     def stop(self) -> None:
         """Write what is in flight, unpatch, close the trace. Safe to call twice."""
@@ -436,11 +445,17 @@ class Tracer:
         """Queue one layer's record of this step into the slot (host copies, no sync)."""
         slot = self._step_slot()
         hosts = slot.payload["hosts"]
-        host = hosts.get(id(md))  # the layers of one KV-cache group share their metadata
-        if host is None:
+        shared = hosts.get(id(md))  # the layers of one KV-cache group share their metadata
+        if shared is None:
             cols = tensors["cols"] if tensors else read_columns(md, static.block_size)
-            host = hosts[id(md)] = queue_host_copies(slot, md, num_reqs, num_tokens, cols)
-        metadata = step_fields(static, md, num_tokens, cudagraph, padded)
+            # A metadata trace copies the runner's tensors as given when small (the writer cuts the
+            # step's rows; the records cut each row to the blocks it uses). A tensor trace's table
+            # is as wide as its clone of the blocks read.
+            host = queue_host_copies(slot, md, num_reqs, num_tokens, cols, as_given=not self.options.tensors)
+            shared = hosts[id(md)] = (host, step_fields(md, num_tokens, cudagraph, padded))
+        host, metadata = shared
+        if static.fields is None:
+            layer_fields(static)
         scales = None
         if static.scales is None or getattr(static.module, "calculate_kv_scales", False):
             scales = capture_scales(static.module)
@@ -467,7 +482,7 @@ class Tracer:
             ids = getattr(batch, "req_ids", None)
         if ids is None:
             return ("",) * num_reqs
-        ids = tuple(str(i) for i in list(ids)[:num_reqs])
+        ids = tuple(map(str, (ids if isinstance(ids, (list, tuple)) else list(ids))[:num_reqs]))
         return ids + ("",) * (num_reqs - len(ids))
 
     def _end_step(self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict) -> None:
@@ -517,10 +532,7 @@ class Tracer:
             self._record_gap("request", "no-metadata: the runner kept no attention metadata for this step", num_tokens)
             return
         req_ids = self._req_ids(num_reqs)
-        names = [n for n in md_by_layer if self._wants(n)]
-        if self.options.layers == "first" and self._layer_locked is None and names:
-            self._layer_locked = min(names, key=lambda n: (layer_index(n) is None, layer_index(n) or 0, n))
-            names = [self._layer_locked]
+        names = self._wanted_of(md_by_layer)
         full_tensors = False
         for name in names:
             static = self._static_of(name)
@@ -541,6 +553,24 @@ class Tracer:
             self._capture(static, md, num_reqs, num_tokens, req_ids, cudagraph, padded, tensors=tensors)
         if full_tensors:
             self._warn_once(FULL_GRAPH_TENSORS)
+
+    def _wanted_of(self, md_by_layer: dict[str, Any]) -> list[str]:
+        """The layers of a request step's metadata to record (the step is in range), in its order.
+
+        The same every step for the same layers: kept, with the layer ``"first"`` locked on.
+        """
+        if self._sink.failed:
+            return []
+        key = (tuple(md_by_layer), self._layer_locked)
+        if self._names_cache is not None and self._names_cache[0] == key:
+            return self._names_cache[1]
+        names = [n for n in key[0] if self._selected(n)]
+        if self.options.layers == "first" and self._layer_locked is None and names:
+            self._layer_locked = min(names, key=lambda n: (layer_index(n) is None, layer_index(n) or 0, n))
+            names = [self._layer_locked]
+            key = (key[0], self._layer_locked)
+        self._names_cache = (key, names)
+        return names
 
     def _step_metadata(self, runner: Any) -> tuple[dict[str, Any], str, int | None]:
         """This step's attention metadata per layer, how it ran, and its padded size."""

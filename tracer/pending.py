@@ -68,7 +68,9 @@ class LayerCapture:
     step: int  #: 0-based step index
     kind: str  #: one of ``STEP_KINDS``
     static: LayerStatic
-    metadata: dict[str, Any]  #: ``StepRecord`` fields already read as Python numbers
+    #: the step's ``StepRecord`` fields read from its metadata (``tracer.capture.step_fields``; shared by
+    #: the layers of one KV-cache group: not to be changed); the layer's own are in ``static.fields``
+    metadata: dict[str, Any]
     host: dict[str, Any]  #: ``query_start_loc``, ``seq_lens``, ``block_table`` (``cols`` wide), ``slot_mapping``
     req_ids: tuple[str, ...]  #: one per request row; ``""`` where the runner gave none
     #: ``capture_scales(layer)`` (device clones or floats), or None when ``static.scales`` holds them
@@ -84,24 +86,39 @@ class LayerCapture:
     def record_fields(self) -> dict[str, Any]:
         """The record's fields that are not read from the host views: Python numbers and strings.
 
-        With :func:`make_record` and the host views' lists (:func:`host_lists`, once the slot's
-        event has fired) they make the record; the writer process (``tracer.writer_process``)
-        gets them as they are.
+        :meth:`layer_fields` updated with :meth:`step_fields`. With :func:`make_record` and the
+        host views' lists (:func:`host_lists`, once the slot's event has fired) they make the
+        record; the record writer process (``tracer.writer_process``) is sent the two parts
+        apart, the layer's once.
         """
-        scales = self.static.scales if self.scales is None else {k: _scale_value(v) for k, v in self.scales.items()}
+        return {**self.layer_fields(), **self.step_fields()}
+
+    def layer_fields(self) -> dict[str, Any]:
+        """The fields this layer keeps from step to step: its impl's constants (``static.fields``),
+        ALiBi slopes, sinks, the query's dtype, and its scales once read (``static.scales``)."""
+        scales = self.static.scales or {}
         return {
+            **(self.static.fields or {}),
+            "layer": self.layer,
             "alibi_slopes": self.static.alibi_slopes,
             "sinks": self.static.sinks,
-            "step": self.step,
-            "layer": self.layer,
-            "kind": self.kind,
-            "request_ids": self.req_ids,
-            "q_scale": (scales or {}).get("q_scale"),
-            "k_scale": (scales or {}).get("k_scale"),
-            "v_scale": (scales or {}).get("v_scale"),
             "query_dtype": self.static.query_dtype,
-            **self.metadata,
+            "q_scale": scales.get("q_scale"),
+            "k_scale": scales.get("k_scale"),
+            "v_scale": scales.get("v_scale"),
         }
+
+    def layer_key(self) -> tuple[Any, ...]:
+        """Changes whenever :meth:`layer_fields` may have (the writer resends them then)."""
+        s = self.static
+        return (id(s.fields), s.query_dtype, s.floats_read, None if s.scales is None else tuple(s.scales.items()))
+
+    def step_fields(self) -> dict[str, Any]:
+        """This step's fields: number, kind, request ids, the metadata's, and the scales captured with it."""
+        fields = {"step": self.step, "kind": self.kind, "request_ids": self.req_ids, **self.metadata}
+        if self.scales is not None:
+            fields.update((k, _scale_value(v)) for k, v in self.scales.items())
+        return fields
 
 
 def make_record(fields: dict[str, Any], lists: dict[str, Any], block_size: int) -> StepRecord:

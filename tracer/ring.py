@@ -5,7 +5,8 @@ takes a :class:`Slot`, queues non-blocking device-to-host copies of the step's m
 into the slot's pinned buffers (one copy per KV-cache group, ``tracer.capture``) and keeps
 the step's device-side tensor clones; when the step is over it records the slot's one CUDA
 event, after all of them, and hands the slot to :class:`WriterThread`. The thread waits for
-the event, turns the slot into records and writes them; only then is the slot free again.
+the event, turns the slot into records and writes them (or sends them to the record writer
+process, ``tracer.writer_process``); only then is the slot free again.
 
 When every slot is in flight the step waits for the oldest: a slow disk slows the engine
 down rather than losing a step (``waits`` counts how often). Device memory held by
@@ -46,6 +47,7 @@ class Slot:
     #: what makes the host views of packed copies (``tracer.capture.pack_host_copies``): left by
     #: the step to the writer thread, which runs them (:meth:`make_views`) before it reads any view
     view_makers: list[Callable[[], None]] = field(default_factory=list)
+    _prefixes: dict[tuple[str, int], Any] = field(default_factory=dict)  #: ``host_prefix``'s views
 
     def host_buffer(self, name: str, n: int, dtype: Any, *, pin: bool, sources: Iterable[Any]) -> Any:
         """This slot's host buffer ``name``: at least ``n`` elements of ``dtype``, made or grown here.
@@ -66,7 +68,20 @@ class Slot:
                 size = 2 * n
             buf = torch.empty(size, dtype=dtype, pin_memory=pin)
             self.buffers[name] = buf
+            self._prefixes.clear()  # views of the old buffer
         return buf
+
+    def host_prefix(self, name: str, n: int, dtype: Any, *, pin: bool, sources: Iterable[Any]) -> Any:
+        """``host_buffer(...)[:n]``, the view kept for the next step of the same size (a slice is one
+        more tensor operation on the engine's thread)."""
+        buf = self.host_buffer(name, n, dtype, pin=pin, sources=sources)
+        key = (name, n)
+        view = self._prefixes.get(key)
+        if view is None:
+            if len(self._prefixes) > 64:
+                self._prefixes.clear()
+            view = self._prefixes[key] = buf[:n]
+        return view
 
     def make_views(self) -> None:
         """Fill the host views the step left to the writer thread (packed copies: ``tracer.capture``)."""
@@ -158,8 +173,9 @@ def record_event(slot: Slot, on_cuda: bool, *, blocking: bool = True) -> None:
 class WriterThread:
     """Drains slots in order: waits for each one's event, then ``handle(slot)``, then frees it.
 
-    ``handle`` runs on this thread (records, JSON, files); an exception in it is passed to
-    ``on_error`` once and later slots are only released. ``throttle`` (tests): seconds to
+    ``handle`` runs on this thread (records, JSON, files; it makes the slot's host views,
+    ``Slot.make_views``), then ``end`` (sends what ``handle`` queued, if anything); an exception
+    in either is passed to ``on_error`` once and later slots are only released. ``throttle`` (tests): seconds to
     sleep before each slot, a slow disk.
     """
 
@@ -170,9 +186,11 @@ class WriterThread:
         on_error: Callable[[BaseException], None],
         *,
         throttle: float = 0.0,
+        end: Callable[[], None] | None = None,
     ):
         self.pool = pool
         self._handle = handle
+        self._end = end
         self._on_error = on_error
         self._queue: queue.Queue[Slot | None] = queue.Queue()
         self._failed = False
@@ -206,8 +224,9 @@ class WriterThread:
                     try:
                         if slot.event is not None and slot.recorded:
                             slot.event.synchronize()
-                        slot.make_views()
                         self._handle(slot)
+                        if self._end is not None:
+                            self._end()
                     except BaseException as exc:  # noqa: BLE001 - the engine must run on
                         self._failed = True
                         self._on_error(exc)

@@ -16,7 +16,7 @@ WARMUP_REQ_PREFIX = "_warmup_"
 
 def is_warmup_batch(req_ids: tuple[str, ...] | None) -> bool:
     """True for the V2 runner's fake warm-up requests (``_warmup_<i>_``)."""
-    if not req_ids:
+    if not req_ids or not req_ids[0].startswith(WARMUP_REQ_PREFIX):
         return False
     return all(r.startswith(WARMUP_REQ_PREFIX) for r in req_ids)
 

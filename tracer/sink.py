@@ -55,6 +55,8 @@ class TraceSink:
         #: Without tensors the records are built and written by a process of their own (off the
         #: engine's GIL: ``tracer.writer_process``), unless ``PAGEDTRACE_WRITER=thread``.
         self.records_out = RecordProcess(self.directory) if not options.tensors and writer_mode() == "process" else None
+        self._outgoing: tuple[list[Any], list[Any]] = ([], [])  # the next message: (hosts, items)
+        self._layers_sent: dict[str, tuple[Any, ...]] = {}  # layer -> LayerCapture.layer_key() last sent
 
     @property
     def budget_exhausted(self) -> bool:
@@ -69,10 +71,11 @@ class TraceSink:
         return self._side_stream
 
     def handle_slot(self, slot: Slot) -> None:
-        """The slot's copies have landed: write its records in order."""
+        """The slot's copies have landed: write its records in order (or queue them for the record process)."""
         if self.records_out is not None:
             self.send_slot(slot)
             return
+        slot.make_views()
         for item in slot.payload["captures"]:
             if self.failed:
                 return
@@ -87,6 +90,15 @@ class TraceSink:
             self.write(record, tensors, item)
             self.stats["records"] += 1
 
+    def send_records(self) -> None:
+        """Send what :meth:`send_slot` queued to the record writer process, in one message (after each slot)."""
+        if self.records_out is None or not self._outgoing[1]:
+            return
+        hosts, items = self._outgoing
+        self._outgoing = ([], [])
+        if not self.failed and not self.records_out.send(hosts, items):
+            self._process_failed()
+
     def record_fields(self, item: LayerCapture) -> dict[str, Any]:
         """``item``'s record fields (``LayerCapture.record_fields``), the layer's floats read once.
 
@@ -95,9 +107,13 @@ class TraceSink:
         """
         read_static_floats(item.static)
         fields = item.record_fields()
+        self._keep_scales(item, fields)
+        return fields
+
+    @staticmethod
+    def _keep_scales(item: LayerCapture, fields: dict[str, Any]) -> None:
         if item.scales is not None and not getattr(item.static.module, "calculate_kv_scales", False):
             item.static.scales = {k: fields[k] for k in ("q_scale", "k_scale", "v_scale")}
-        return fields
 
     def start(self) -> None:
         """Start the record writer process now, before the engine's steps; the writer thread if it cannot start."""
@@ -117,15 +133,17 @@ class TraceSink:
             self._process_failed()
 
     def send_slot(self, slot: Slot) -> None:
-        """A slot without tensors, to the record writer process: its host buffers and record fields.
+        """A slot without tensors, for the record writer process: its host buffers and record fields.
 
-        What stays here is what needs the engine's objects: the layer's ALiBi slopes and sinks
-        (read once), its scales, and the manifest (written before the first record is sent).
+        Queued into the next message (:meth:`send_records` sends it): the host buffers as bytes
+        (a packed copy's buffer as it is, no view made), a layer's unchanging fields when they
+        are new or changed, then each record's own. What stays here is what needs the engine's
+        objects: the layer's ALiBi slopes and sinks (read once), its scales, and the manifest
+        (written before the first record is sent).
         """
         assert self.records_out is not None
-        hosts: list[dict[str, Any]] = []
+        hosts, items = self._outgoing
         host_index: dict[int, int] = {}
-        items: list[list[Any]] = []
         try:
             for item in slot.payload["captures"]:
                 if self.failed:
@@ -135,19 +153,22 @@ class TraceSink:
                     items.append(["gap", item.to_json()])
                     self.stats["gaps"] += 1
                     continue
-                fields = self.record_fields(item)
+                read_static_floats(item.static)
+                step = item.step_fields()
+                self._keep_scales(item, step)
                 self._ensure_manifest(item)
+                key = item.layer_key()
+                if self._layers_sent.get(item.layer) != key:
+                    self._layers_sent[item.layer] = key
+                    items.append(["layer", item.layer, item.layer_fields()])
                 index = host_index.get(id(item.host))
                 if index is None:
                     index = host_index[id(item.host)] = len(hosts)
                     hosts.append(host_message(item.host))
-                items.append(["step", index, item.static.block_size, fields])
+                items.append(["step", index, item.static.block_size, item.layer, step])
                 self.stats["records"] += 1
         except OSError as exc:
             self._write_failed(exc)
-            return
-        if items and not self.records_out.send(hosts, items):
-            self._process_failed()
 
     def _process_failed(self) -> None:
         """The record writer process ended early: its one line (``RecordProcess.error``) stops the trace."""

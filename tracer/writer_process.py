@@ -4,21 +4,25 @@ The writer thread (``tracer.ring.WriterThread``) shares the engine's GIL. Turnin
 a ``StepRecord`` and a JSON line is pure Python (a few hundred µs a step on the H200 host),
 and in a launch-bound graph mode (PIECEWISE) the engine's thread waits for every µs of it.
 So for a trace without tensors the thread only waits for each slot's CUDA event (without
-the GIL), copies the slot's host buffers into one message with the record's other fields,
+the GIL), puts the slot's host buffers as bytes into a message with the records' other fields,
 and writes it to this module's process (:class:`RecordProcess`, started by the model runner's
 first call, so only a process that runs the model has one), which builds the records
-and appends them to ``steps.jsonl``, one flushed line each, exactly as the thread would.
+and appends them to ``steps.jsonl``, one flushed line each, exactly as the thread would. One
+message carries every slot the thread woke for (``tracer.ring.WriterThread``'s batch).
 
 Messages on the child's stdin: a 4-byte little-endian length, then a msgpack list
-``[hosts, items]``. ``hosts``: one map per KV-cache group, name -> ``[dtype, shape, bytes]``
-of ``query_start_loc``, ``seq_lens``, ``block_table``, ``slot_mapping``. ``items``:
-``["directory", path]`` (first, once: a tensor-parallel rank other than 0 writes to
-``rank<N>/``, known only once vLLM is up), ``["gap", GapRecord JSON]``,
-``["step", host index, block size, record fields]``
-(``tracer.pending.LayerCapture.record_fields``) or ``["sync"]``, which the child answers
-with :data:`SYNCED` on stdout once everything before it is written. End of input (the tracer stopped, or its
-process died) ends the child once everything it got is on disk. A write error ends it early:
-its one line goes to stdout, and the tracer reports it (``RecordProcess.close``).
+``[hosts, items]``. ``hosts``: one map per KV-cache group and slot (:func:`host_message`):
+``{"packed": [bytes, [[name, dtype, shape, int32 width, rows], ...]]}`` for one packed copy, else
+name -> ``[dtype, shape, bytes]``, of ``query_start_loc``, ``seq_lens``, ``block_table``,
+``slot_mapping``. ``items``: ``["directory", path]`` (first, once: a tensor-parallel rank other
+than 0 writes to ``rank<N>/``, known only once vLLM is up), ``["gap", GapRecord JSON]``,
+``["layer", name, fields]`` (``tracer.pending.LayerCapture.layer_fields``: sent before the
+layer's first record, and again whenever they change), ``["step", host index, block size,
+layer, fields]`` (``LayerCapture.step_fields``: a record is the layer's fields updated with
+these) or ``["sync"]``, which the child answers with :data:`SYNCED` on stdout once everything
+before it is written. End of input (the tracer stopped, or its process died) ends the child
+once everything it got is on disk. A write error ends it early: its one line goes to stdout,
+and the tracer reports it (``RecordProcess.close``).
 
 ``PAGEDTRACE_WRITER=thread`` keeps the records on the writer thread (the child is only used
 for traces without tensors: tensor steps copy from the device on the writer thread).
@@ -61,8 +65,25 @@ def writer_mode() -> str:
     return mode
 
 
+#: Host dtypes as ``numpy`` dtype strings, without asking numpy (``tracer.capture.Packed.like``).
+_DTYPE_STR = {"torch.int32": "<i4", "torch.int64": "<i8"} if sys.byteorder == "little" else {}
+
+
 def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
-    """One KV-cache group's host views (filled: the slot's event fired) as message fields."""
+    """One KV-cache group's host buffers (filled: the slot's event fired) as message fields.
+
+    A packed copy (``tracer.capture.PackedViews``) goes as its one buffer, ``{"packed": [bytes,
+    [[name, dtype, shape, width, rows], ...]]}`` in buffer order, widths in int32 elements,
+    ``rows`` the leading rows that are the step's (-1: all): no view is made and no tensor
+    operation runs. Otherwise each view goes as ``[dtype, shape, bytes]``.
+    """
+    packed = getattr(host, "packed", None)
+    if packed is not None and all(str(d) in _DTYPE_STR for d, _ in packed.like.values()):
+        parts = [
+            [k, _DTYPE_STR[str(packed.like[k][0])], list(packed.like[k][1]), w, packed.trim.get(k, -1)]
+            for k, w in zip(packed.order, packed.widths, strict=True)
+        ]
+        return {"packed": [packed.host.numpy().tobytes(), parts]}
     out = {}
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
         values = host[name].numpy()
@@ -194,9 +215,22 @@ def _ints(dtype: str, data: bytes) -> list[int]:
 
 
 def _lists(host: dict[str, list[Any]]) -> dict[str, Any]:
-    """``tracer.pending.host_lists`` of the buffers one message carries."""
-    flat = {name: _ints(dtype, data) for name, (dtype, _shape, data) in host.items()}
-    rows, cols = host["block_table"][1]
+    """``tracer.pending.host_lists`` of the buffers one message carries (``host_message``)."""
+    if "packed" in host:
+        data, parts = host["packed"]
+        flat, shapes, offset = {}, {}, 0
+        for name, dtype, shape, width, rows in parts:
+            values = _ints(dtype, data[4 * offset : 4 * (offset + width)])
+            offset += width
+            if rows >= 0:  # the step's leading rows of a tensor copied as the runner gave it
+                values = values[: rows * (shape[1] if len(shape) == 2 else 1)]
+                shape = [rows, *shape[1:]]
+            flat[name] = values
+            shapes[name] = shape
+    else:
+        flat = {name: _ints(dtype, data) for name, (dtype, _shape, data) in host.items()}
+        shapes = {name: shape for name, (_dtype, shape, _data) in host.items()}
+    rows, cols = shapes["block_table"]
     table = flat["block_table"]
     return {
         "query_start_loc": tuple(flat["query_start_loc"]),
@@ -218,6 +252,7 @@ def main() -> int:
     stdin = sys.stdin.buffer
     writer = None
     directory = ""
+    layers: dict[str, dict[str, Any]] = {}  # layer -> its fields that no step changes
     try:
         while True:
             head = _read_exact(stdin, _LENGTH.size)
@@ -241,10 +276,13 @@ def main() -> int:
                 if item[0] == "gap":
                     writer.append(record_from_json({"type": "gap", **item[1]}))
                     continue
-                _, index, block_size, fields = item
+                if item[0] == "layer":  # a layer's unchanging fields, sent before its first record
+                    layers[item[1]] = _tuples(item[2])
+                    continue
+                _, index, block_size, layer, fields = item
                 if index not in lists:
                     lists[index] = _lists(hosts[index])
-                writer.append(make_record(_tuples(fields), lists[index], block_size))
+                writer.append(make_record({**layers[layer], **_tuples(fields)}, lists[index], block_size))
     except OSError as exc:
         return _failed(f"pagedtrace: cannot write trace to {directory}: {exc}; tracing stops, the engine runs on")
     except Exception as exc:  # noqa: BLE001 - one line for the tracer to report, not a traceback

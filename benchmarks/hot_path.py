@@ -1,0 +1,161 @@
+"""What a metadata trace costs a launch-bound engine's thread, on CPU, without vLLM or a GPU.
+
+PIECEWISE on the H200 is bound by the engine's Python thread: every microsecond the tracer
+takes on it, and every microsecond its writer thread holds the GIL, lengthens the step. This
+script measures both on any machine, through the tracer's real wrappers, ring, writer thread
+and record writer process: a stand-in engine step calls the runner wrapper, the
+``set_forward_context`` wrapper and ``--layers`` attention ``forward`` wrappers, and between
+the layers does ``--ops`` small torch operations each (which release the GIL, as vLLM's
+launches do), so a step takes about as long as a PIECEWISE decode step of the benchmark
+workload (~9.5 ms). The metadata is the shape of that workload's: ``--reqs`` requests of
+``--context`` tokens, one new token each, 16-token blocks.
+
+It is not vLLM: the step's own work is synthetic. It answers one question, how many
+microseconds per step the tracer adds to a thread that is busy with Python, so that a change
+to the hot path can be measured before it goes to the H200 (``scripts/h200_overhead_probe.py``
+measures the real engine).
+
+    python benchmarks/hot_path.py [--steps 300] [--rounds 7] [--layers 28] [--ops 24]
+
+Prints the untraced and traced step times (median of rounds, interleaved), the difference
+in µs per step, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import types
+from pathlib import Path
+
+
+def _fake_engine(args: argparse.Namespace, directory: str | None):
+    import torch
+
+    from tracer import wrappers
+    from tracer.hooks import Tracer
+    from tracer.options import TracerOptions
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(args.layers)]
+    impl = types.SimpleNamespace(
+        alibi_slopes=None, sinks=None, scale=0.088, num_heads=28, num_kv_heads=4, head_size=128, logits_soft_cap=0
+    )
+    cache = torch.zeros(64, 4, 16, 256, dtype=torch.bfloat16)  # (blocks, kv heads, block size, 2 x head size)
+    layers = [types.SimpleNamespace(layer_name=n) for n in names]
+    modules = {n: types.SimpleNamespace(impl=impl, kv_cache=[cache]) for n in names}
+    cfg = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(
+            static_forward_context=modules, max_cudagraph_capture_size=512, cudagraph_capture_sizes=[512]
+        ),
+        model_config=None,
+    )
+    reqs, blocks_per_req = args.reqs, -(-args.context // 16)
+    width = 4096 // 16  # the runner's block table is as wide as max_model_len allows
+    md = types.SimpleNamespace(
+        num_actual_tokens=reqs,
+        seq_lens=torch.full((512,), args.context, dtype=torch.int32),
+        query_start_loc=torch.arange(513, dtype=torch.int32),
+        block_table=torch.randint(1, 60000, (512, width), dtype=torch.int32),
+        slot_mapping=torch.arange(8192, dtype=torch.int64),
+        max_query_len=1,
+        max_seq_len=args.context,
+        causal=True,
+    )
+    md_by_layer = dict.fromkeys(names, md)
+    work = [torch.ones(16) for _ in range(4)]
+    sched = types.SimpleNamespace(
+        total_num_scheduled_tokens=reqs, num_scheduled_tokens={f"r{i}": 1 for i in range(reqs)}, finished_req_ids=()
+    )
+    req_ids = [f"cmpl-{i:04d}-0" for i in range(reqs)]
+    del blocks_per_req
+
+    def set_forward_context(attn_metadata, *a, **k):
+        return None
+
+    def attention_forward(impl, layer, query, key, value, kv_cache, attn_metadata, output):
+        return output
+
+    def execute_model(runner, scheduler_output):
+        sfc(md_by_layer, cudagraph_runtime_mode="PIECEWISE", batch_descriptor=types.SimpleNamespace(num_tokens=reqs))
+        a, b, c, d = work
+        for layer in layers:
+            for _ in range(args.ops):  # the launches around one layer's attention
+                torch.add(a, b, out=c)
+            fwd(impl, layer, a, b, c, cache, md, d)
+        return None
+
+    runner = types.SimpleNamespace(vllm_config=cfg, input_batch=types.SimpleNamespace(req_ids=req_ids))
+    if directory is None:  # untraced
+        sfc, fwd = set_forward_context, attention_forward
+
+        def step() -> None:
+            execute_model(runner, sched)
+
+        return step, None
+    t = Tracer(TracerOptions(directory, layers=args.trace_layers))
+    sfc = wrappers.forward_context(t, set_forward_context)
+    fwd = wrappers.forward(t, attention_forward)
+    exe = wrappers.runner(t, "execute_model")(execute_model)
+    t._thread = t._writer_thread()  # as Tracer.start makes it
+
+    def traced_step() -> None:
+        exe(runner, sched)
+
+    return traced_step, t
+
+
+def _pass(args: argparse.Namespace, traced: bool) -> float:
+    """Seconds per step of one pass (a fresh tracer each traced pass, warmed up untimed)."""
+    directory = tempfile.mkdtemp(prefix="pagedtrace-hot-") if traced else None
+    step, t = _fake_engine(args, directory)
+    for _ in range(20):
+        step()
+    if t is not None:
+        t.drain()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    seconds = (time.perf_counter() - t0) / args.steps
+    if t is not None:
+        t.drain()
+        t._thread.close()
+        t._sink.finish()
+        if t.error:
+            raise SystemExit(t.error)
+        lines = len(Path(directory, "steps.jsonl").read_text().splitlines())
+        if lines < args.steps:
+            raise SystemExit(f"only {lines} records for {args.steps + 20} steps")
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--ops", type=int, default=24, help="torch operations per layer (the step's own work)")
+    ap.add_argument("--reqs", type=int, default=32)
+    ap.add_argument("--context", type=int, default=360)
+    ap.add_argument("--trace-layers", default="first", help="what the tracer records (--layers of pagedtrace run)")
+    args = ap.parse_args()
+    from tracer.format import parse_layers
+
+    args.trace_layers = parse_layers(args.trace_layers)
+    untraced, traced = [], []
+    for r in range(args.rounds):
+        for kind in ("untraced", "traced") if r % 2 == 0 else ("traced", "untraced"):
+            (traced if kind == "traced" else untraced).append(_pass(args, kind == "traced"))
+    u, t = statistics.median(untraced), statistics.median(traced)
+    paired = statistics.median(b - a for a, b in zip(untraced, traced, strict=True))
+    print(
+        f"{args.layers} layers, {args.ops} ops per layer, {args.reqs} requests of {args.context} tokens, "
+        f"tracer layers={args.trace_layers!r}, {args.rounds} rounds of {args.steps} steps"
+    )
+    print(f"untraced {u * 1e3:.3f} ms/step   traced {t * 1e3:.3f} ms/step")
+    print(f"tracer: {(t - u) * 1e6:+.1f} us/step (paired median {paired * 1e6:+.1f} us), {t / u:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
