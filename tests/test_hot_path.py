@@ -1,0 +1,39 @@
+"""The engine's thread does little per metadata step: counted torch calls (``benchmarks/hot_path.py``).
+
+Each torch call on the engine's thread is a dispatch and a release of the GIL (~15 µs apiece on
+the H200 host under vLLM, where PIECEWISE steps are bound by that thread), so the count is the
+machine-independent part of what a metadata trace costs a launch-bound engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+from tracer.format import parse_layers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _hot_path():
+    spec = importlib.util.spec_from_file_location("hot_path", ROOT / "benchmarks" / "hot_path.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: Calls that only read a tensor's attributes: no dispatch.
+ATTRIBUTE_READS = {"__get__", "numel", "dim", "is_contiguous"}
+
+
+def test_a_metadata_step_makes_four_tensor_operations_on_the_engines_thread():
+    hot_path = _hot_path()
+    for layers in ("first", "all"):
+        args = argparse.Namespace(layers=28, ops=1, reqs=32, context=360, trace_layers=parse_layers(layers))
+        calls = hot_path.torch_calls_per_step(args, steps=30)
+        dispatched = {name: n for name, n in calls.items() if name not in ATTRIBUTE_READS}
+        # the block table flattened, slot_mapping as int32 pairs, one cat and one copy: no slicing,
+        # whatever the number of layers recorded (they share their KV-cache group's copy)
+        assert dispatched == {"view": 1, "reshape": 1, "cat": 1, "copy_": 1}, (layers, calls)
