@@ -196,3 +196,32 @@ def test_only_a_process_that_runs_the_model_starts_the_writer_process(tmp_path, 
     finally:
         t.stop()
     assert records_out._proc is None and child.poll() == 0  # stop() ended it
+
+
+@pytest.mark.parametrize("calculate", [False, True])
+def test_a_layers_fields_sent_once_then_its_scales_give_every_record_what_the_thread_gives(
+    tmp_path, monkeypatch, calculate
+):
+    """The record process is sent a layer's unchanging fields once, and again when they change: the
+    scales read from the first record on (``calculate_kv_scales`` off), or each step's (on)."""
+    import json
+
+    lines = {}
+    for mode in ("thread", "process"):
+        t = _engine(tmp_path / mode, monkeypatch, mode)
+        module = t._test_engine[0]._vllm_config.compilation_config.static_forward_context[
+            "model.layers.0.self_attn.attn"
+        ]
+        module._q_scale_float, module._k_scale_float, module._v_scale_float = 1.0, 0.5, 0.25
+        module.calculate_kv_scales = calculate
+        _steps(t, 2)
+        if calculate:
+            module._k_scale_float = 0.75  # vLLM recomputed it: the next records say so
+        _steps(t, 2)
+        t._thread.close()
+        t._sink.finish()
+        assert t.error is None
+        lines[mode] = (tmp_path / mode / "trace" / "steps.jsonl").read_text().splitlines()
+    assert lines["process"] == lines["thread"]
+    scales = [json.loads(line)["k_scale"] for line in lines["process"]]
+    assert scales == ([0.5, 0.5, 0.75, 0.75] if calculate else [0.5] * 4)
