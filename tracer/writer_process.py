@@ -8,7 +8,7 @@ the GIL), puts the slot's host buffers as bytes into a message with the records'
 and writes it to this module's process (:class:`RecordProcess`, started by the model runner's
 first call, so only a process that runs the model has one), which builds the records
 and appends them to ``steps.jsonl``, one flushed line each, exactly as the thread would. One
-message carries every slot the thread woke for (``tracer.ring.WriterThread``'s batch).
+message carries one slot (``tracer.sink.TraceSink.send_records``, after each).
 
 Messages on the child's stdin: a 4-byte little-endian length, then a msgpack list
 ``[hosts, items]``. ``hosts``: one map per KV-cache group and slot (:func:`host_message`):
