@@ -8,8 +8,9 @@ non-blocking copy moves into a ring slot's pinned buffer (``tracer.ring.Slot``);
 thread sends that buffer as it is to the record writer process, or cuts it into the four
 host views before it reads them. Every CUDA call and tensor operation here costs the
 engine's thread microseconds (a copy ~35 µs on the H200 under vLLM), hence one copy, not
-four, and a metadata step's block-table rows copied whole when they are small (no kernel to
-flatten a column slice). A CPU engine takes the same path without pinning; a dtype other than
+four, and a metadata step's tensors copied as the runner gave them when they are small (no
+slicing on the engine's thread, no kernel to flatten a column slice; the writer keeps the
+step's rows). A CPU engine takes the same path without pinning; a dtype other than
 int32 / int64 is copied tensor by tensor (``Slot.host``). Tensor clones stay on the device
 until the writer thread (``tracer.sink``) takes them. The fields of a layer that never change
 (scale, soft-cap, heads, the backend's window) are read once into its ``LayerStatic``; the
