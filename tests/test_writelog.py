@@ -66,6 +66,38 @@ def test_the_writer_thread_ends_each_slot_with_its_end_call():
     assert seen == [0, "end", 1, "end", 2, "end"]  # a metadata trace's message goes out with its slot
 
 
+def _while_the_writer_holds_the_lock(pool: SlotPool, wait_s: float) -> tuple[list[Slot], list[Slot]]:
+    """The slot a step got within ``wait_s`` while another thread held the pool's lock, or after."""
+    held, done = threading.Event(), threading.Event()
+
+    def writer_releasing() -> None:
+        with pool._cond:
+            held.set()
+            done.wait(10)
+
+    writer = threading.Thread(target=writer_releasing)
+    writer.start()
+    held.wait(10)
+    got: list[Slot] = []
+    step = threading.Thread(target=lambda: got.append(pool.acquire()))
+    step.start()
+    step.join(wait_s)
+    during = list(got)
+    done.set()
+    writer.join()
+    step.join(10)
+    return during, got[len(during) :]
+
+
+def test_a_metadata_step_takes_a_free_slot_while_the_writer_holds_the_pools_lock():
+    pool = SlotPool(2)
+    during, after = _while_the_writer_holds_the_lock(pool, 2)
+    assert len(during) == 1 and not after  # no wait for the writer's turn
+    pool.hold(during[0], 100)  # a tensor step's device bytes: the cap is checked under the lock
+    waiting, after = _while_the_writer_holds_the_lock(pool, 0.2)
+    assert not waiting and len(after) == 1 and after[0] is not during[0]  # it waited, then got the other
+
+
 def test_device_bytes_in_flight_are_capped():
     pool = SlotPool(4, max_device_bytes=100)
     first = pool.acquire()

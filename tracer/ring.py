@@ -113,6 +113,17 @@ class SlotPool:
         self.waits = 0  #: how often a step waited for the writer
 
     def acquire(self) -> Slot:
+        """A free slot; waits while none is (or device bytes exceed the cap).
+
+        Without device bytes held (a metadata trace) a free slot is taken without the lock: the
+        writer thread takes it to release each slot, and a step that found it taken would wait
+        for the writer's turn with the GIL. ``list.pop`` is atomic under the GIL.
+        """
+        if not self._device_bytes:
+            try:
+                return self._free.pop()
+            except IndexError:
+                pass
         with self._cond:
             if not self._free or self._device_bytes > self.max_device_bytes:
                 self.waits += 1
