@@ -18,7 +18,9 @@ measures the real engine).
     python benchmarks/hot_path.py [--steps 300] [--rounds 7] [--layers 28] [--ops 24]
 
 Prints the untraced and traced step times (median of rounds, interleaved), the difference
-in µs per step, and the ratio; then the torch calls the tracer makes on the engine's thread
+in µs per step, and the ratio (wall time: noisy on a small machine); the CPU time the tracer's
+calls take on the engine's thread per step (``time.thread_time``, the steadier figure); then
+the torch calls the tracer makes on the engine's thread
 per step (each is a dispatch and a release of the GIL, ~15 µs apiece on the H200 host under
 vLLM), a count that does not depend on the machine. On CPU the tracer takes the path it
 takes on CUDA (one packed copy), less the pinning and the CUDA event.
@@ -140,6 +142,34 @@ def _pass(args: argparse.Namespace, traced: bool) -> float:
     return seconds
 
 
+def tracer_cpu_per_step(args: argparse.Namespace, steps: int = 1000) -> float:
+    """CPU seconds the tracer's calls take on the engine's thread per traced step (``time.thread_time``:
+    not the time it waits for the GIL or a lock, which wall time would add, noisily)."""
+    step, t = _fake_engine(args, tempfile.mkdtemp(prefix="pagedtrace-hot-"))
+    spent = [0.0]
+    for name in ("_begin_step", "_end_step", "_on_forward"):
+        original = getattr(t, name)
+
+        def timed(*a, _original=original, **k):
+            t0 = time.thread_time()
+            try:
+                return _original(*a, **k)
+            finally:
+                spent[0] += time.thread_time() - t0
+
+        setattr(t, name, timed)
+    for _ in range(100):
+        step()
+    t.drain()
+    spent[0] = 0.0
+    for _ in range(steps):
+        step()
+    t.drain()
+    t._thread.close()
+    t._sink.finish()
+    return spent[0] / steps
+
+
 def torch_calls_per_step(args: argparse.Namespace, steps: int = 50) -> dict[str, float]:
     """Torch functions and tensor methods the tracer calls on the engine's thread in a traced step.
 
@@ -207,6 +237,8 @@ def main() -> None:
     )
     print(f"untraced {u * 1e3:.3f} ms/step   traced {t * 1e3:.3f} ms/step")
     print(f"tracer: {(t - u) * 1e6:+.1f} us/step (paired median {paired * 1e6:+.1f} us), {t / u:.3f}x")
+    cpu = statistics.median(tracer_cpu_per_step(args) for _ in range(3))
+    print(f"tracer CPU on the engine's thread: {cpu * 1e6:.1f} us/step (median of 3 x 1000 steps, time.thread_time)")
     calls = torch_calls_per_step(args)
     listed = ", ".join(f"{name} {n:g}" for name, n in calls.items())
     print(f"torch calls on the engine's thread per step (median): {sum(calls.values()):g} ({listed})")
