@@ -142,31 +142,50 @@ def _pass(args: argparse.Namespace, traced: bool) -> float:
     return seconds
 
 
-def tracer_cpu_per_step(args: argparse.Namespace, steps: int = 1000) -> float:
-    """CPU seconds the tracer's calls take on the engine's thread per traced step (``time.thread_time``:
-    not the time it waits for the GIL or a lock, which wall time would add, noisily)."""
+#: The tracer's methods the engine's thread calls (the wrappers call into them).
+TRACER_CALLS = ("_begin_step", "_end_step", "_on_forward")
+
+
+def _measured_steps(args: argparse.Namespace, steps: int, around, after_step=None) -> None:
+    """A fresh traced stand-in: warmed up, then ``steps`` steps with each of :data:`TRACER_CALLS`
+    run inside ``around()`` (a context manager), ``after_step()`` after each; the trace closed."""
     step, t = _fake_engine(args, tempfile.mkdtemp(prefix="pagedtrace-hot-"))
-    spent = [0.0]
-    for name in ("_begin_step", "_end_step", "_on_forward"):
-        original = getattr(t, name)
-
-        def timed(*a, _original=original, **k):
-            t0 = time.thread_time()
-            try:
-                return _original(*a, **k)
-            finally:
-                spent[0] += time.thread_time() - t0
-
-        setattr(t, name, timed)
-    for _ in range(100):
+    for _ in range(100):  # every slot in use has its pinned buffer
         step()
     t.drain()
-    spent[0] = 0.0
+    for name in TRACER_CALLS:
+        original = getattr(t, name)
+
+        def measured(*a, _original=original, **k):
+            with around():
+                return _original(*a, **k)
+
+        setattr(t, name, measured)
     for _ in range(steps):
         step()
+        if after_step is not None:
+            after_step()
     t.drain()
     t._thread.close()
     t._sink.finish()
+
+
+def tracer_cpu_per_step(args: argparse.Namespace, steps: int = 1000) -> float:
+    """CPU seconds the tracer's calls take on the engine's thread per traced step (``time.thread_time``:
+    not the time it waits for the GIL or a lock, which wall time would add, noisily)."""
+    import contextlib
+
+    spent = [0.0]
+
+    @contextlib.contextmanager
+    def timed():
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            spent[0] += time.thread_time() - t0
+
+    _measured_steps(args, steps, timed)
     return spent[0] / steps
 
 
@@ -181,32 +200,18 @@ def torch_calls_per_step(args: argparse.Namespace, steps: int = 50) -> dict[str,
     from torch.overrides import TorchFunctionMode
 
     counts: collections.Counter[str] = collections.Counter()
+    per_step: list[dict[str, int]] = []
 
     class Count(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             counts[getattr(func, "__name__", str(func))] += 1
             return func(*args, **(kwargs or {}))
 
-    step, t = _fake_engine(args, tempfile.mkdtemp(prefix="pagedtrace-hot-"))
-    for _ in range(20):
-        step()
-    t.drain()
-    for name in ("_begin_step", "_end_step", "_on_forward"):
-        original = getattr(t, name)
-
-        def counted(*a, _original=original, **k):
-            with Count():
-                return _original(*a, **k)
-
-        setattr(t, name, counted)
-    per_step = []
-    for _ in range(steps):
-        counts.clear()
-        step()
+    def one_step_counted() -> None:
         per_step.append(dict(counts))
-    t.drain()
-    t._thread.close()
-    t._sink.finish()
+        counts.clear()
+
+    _measured_steps(args, steps, Count, one_step_counted)
     names = {name for c in per_step for name in c}
     medians = {name: statistics.median(c.get(name, 0) for c in per_step) for name in names}
     return dict(sorted(((n, m) for n, m in medians.items() if m), key=lambda nm: -nm[1]))
