@@ -44,12 +44,15 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
     from tracer.options import TracerOptions
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(args.layers)]
-    impl = types.SimpleNamespace(
-        alibi_slopes=None, sinks=None, scale=0.088, num_heads=28, num_kv_heads=4, head_size=128, logits_soft_cap=0
-    )
+
+    class Impl:  # one per layer, as vLLM's attention backends make them; ``forward`` is set below
+        alibi_slopes = sinks = None
+        scale, num_heads, num_kv_heads, head_size, logits_soft_cap = 0.088, 28, 4, 128, 0
+
+    impls = [Impl() for _ in names]
     cache = torch.zeros(64, 4, 16, 256, dtype=torch.bfloat16)  # (blocks, kv heads, block size, 2 x head size)
     layers = [types.SimpleNamespace(layer_name=n) for n in names]
-    modules = {n: types.SimpleNamespace(impl=impl, kv_cache=[cache]) for n in names}
+    modules = {n: types.SimpleNamespace(impl=impl, kv_cache=[cache]) for n, impl in zip(names, impls, strict=True)}
     cfg = types.SimpleNamespace(
         compilation_config=types.SimpleNamespace(
             static_forward_context=modules, max_cudagraph_capture_size=512, cudagraph_capture_sizes=[512]
@@ -92,15 +95,16 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
     def execute_model(runner, scheduler_output):
         sfc(md_by_layer, cudagraph_runtime_mode="PIECEWISE", batch_descriptor=types.SimpleNamespace(num_tokens=reqs))
         a, b, c, d = work
-        for layer in layers:
+        for impl, layer in zip(impls, layers, strict=True):
             for _ in range(args.ops):  # the launches around one layer's attention
                 torch.add(a, b, out=c)
-            fwd(impl, layer, a, b, c, cache, md, d)
+            impl.forward(layer, a, b, c, cache, md, d)  # as vLLM's Attention layer calls it
         return None
 
     runner = types.SimpleNamespace(vllm_config=cfg, input_batch=types.SimpleNamespace(req_ids=req_ids))
     if directory is None:  # untraced
-        sfc, fwd = set_forward_context, attention_forward
+        sfc = set_forward_context
+        Impl.forward = attention_forward  # type: ignore[attr-defined]
 
         def step() -> None:
             execute_model(runner, sched)
@@ -108,7 +112,8 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
         return step, None
     t = Tracer(TracerOptions(directory, layers=args.trace_layers))
     sfc = wrappers.forward_context(t, set_forward_context)
-    fwd = wrappers.forward(t, attention_forward)
+    Impl.forward = wrappers.forward(t, attention_forward)  # type: ignore[attr-defined]
+    Impl.forward.__pagedtrace_original__ = attention_forward  # type: ignore[attr-defined]  # as Tracer._patch
     exe = wrappers.runner(t, "execute_model")(execute_model)
     t._thread = t._writer_thread()  # as Tracer.start makes it
 

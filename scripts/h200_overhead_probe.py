@@ -10,6 +10,8 @@ round so drift cancels. Variants:
 * ``metadata-thread`` the metadata tracer with its records built on the writer thread
                       (``PAGEDTRACE_WRITER=thread``; by default a process of their own builds them)
 * ``metadata-spin``   the same, events busy-waited (``PAGEDTRACE_EVENT_WAIT=spin``; the old tracer)
+* ``metadata-parts``  the metadata tracer, each piece of its engine-thread work timed apart
+* ``metadata-nowriter`` the writer thread does nothing with a slot (records lost): the engine's share alone
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
                       thread and of the writer's handling of each slot summed (``tracer_main_ms``,
                       ``writer_ms``, per step): what it can take from a launch-bound engine at most
@@ -38,6 +40,7 @@ import argparse
 import cProfile
 import gc
 import io
+import itertools
 import json
 import os
 import pstats
@@ -120,27 +123,79 @@ def main() -> None:
 
     gc.callbacks.append(on_gc)
 
+    # Every engine step timed, in every variant alike (LLM.generate calls llm_engine.step() once a
+    # step: scheduling, the model runner, the outputs). A pass's median step is what a burst on
+    # the host (a few slow steps) leaves alone; the pass's wall time is not.
+    step_s: list[float] = []
+    engine_step = llm.llm_engine.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        try:
+            return engine_step()
+        finally:
+            step_s.append(time.perf_counter() - t0)
+
+    llm.llm_engine.step = timed_step
+
     def timed(bs: list[list]) -> tuple[float, list]:
         gc_pause[0] = 0.0
+        step_s.clear()
         t0 = time.perf_counter()
         tokens = []
         for b in bs:
             tokens += [list(o.outputs[0].token_ids) for o in llm.generate(b, params, use_tqdm=False)]
         return time.perf_counter() - t0, tokens
 
+    def step_stats() -> dict[str, float]:
+        """The timed pass's engine steps: how many, their median and their sum (ms)."""
+        return {
+            "engine_steps": len(step_s),
+            "median_step_ms": round(statistics.median(step_s) * 1e3, 4) if step_s else 0.0,
+            "sum_steps_s": round(sum(step_s), 4),
+        }
+
     def run(variant: str, bs: list[list]) -> tuple[float, list, dict]:
         if variant == "untraced":
             s, tok = timed(bs)
-            return s, tok, {"gc_s": round(gc_pause[0], 4)}
+            return s, tok, {"gc_s": round(gc_pause[0], 4), **step_stats()}
         os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
         os.environ["PAGEDTRACE_WRITER"] = "thread" if variant == "metadata-thread" else "process"
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
         kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}
-        t = tracer.start(tempfile.mkdtemp(), export_env=False, **kw)
+        directory = tempfile.mkdtemp()
+        t = tracer.start(directory, export_env=False, **kw)
         if variant == "runner-off":
             t._end_request_step = lambda *a, **k: None
+        if variant == "metadata-nowriter":  # the writer thread takes no GIL: what the engine's thread alone costs
+            t._thread._handle = lambda slot: None
+            t._thread._end = None
         spent = {"main_s": 0.0, "writer_s": 0.0}
+        undo: list = []
+        acct: dict = {}
+        if variant == "metadata-parts":
+            # Where the engine thread's share goes: each piece timed on its own (``parts_us_per_step``).
+            import tracer.hooks as hooks_module
+
+            for owner, name in (
+                (hooks_module, "queue_host_copies"),
+                (hooks_module, "record_event"),
+                (hooks_module, "capturing"),
+                (hooks_module, "is_warmup_batch"),
+                (t._thread, "submit"),
+                (t._thread, "_handle"),  # the writer thread's (with _end: the message to the record process)
+                (t._thread, "_end"),
+                (t, "_req_ids"),
+                (t, "_step_metadata"),
+                (t, "_begin_step"),
+                (t, "_end_step"),
+                (t, "_on_forward"),
+            ):
+                original = getattr(owner, name)
+                spent[name] = 0.0
+                setattr(owner, name, _timed(original, spent, name))
+                undo.append((owner, name, original))
         if "acct" in variant:
             # Time every call into the tracer from the engine's thread, and the writer's handling of
             # each slot (after its event fired): CPU the tracer takes from a launch-bound engine.
@@ -152,26 +207,37 @@ def main() -> None:
                 t._thread._end = _timed(t._thread._end, spent, "writer_s")
         # Untimed: the trace's first record writes its manifest; slot buffers get pinned.
         llm.generate(bs[0][:2], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
-        spent.update(main_s=0.0, writer_s=0.0)
+        spent.update(dict.fromkeys(spent, 0.0))
         steps0 = t.step
         s, tok = timed(bs)
+        per_step = step_stats()
         steps = t.step - steps0
         t.stop()
+        for owner, name, original in undo:
+            setattr(owner, name, original)
+        if undo:
+            acct["parts_us_per_step"] = {
+                k: round(v / max(steps, 1) * 1e6, 1) for k, v in spent.items() if k not in ("main_s", "writer_s")
+            }
         os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
         os.environ.pop("PAGEDTRACE_WRITER", None)
+        if variant.startswith("metadata") and variant != "metadata-nowriter":
+            acct["check"] = _check_trace(directory)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)
-        acct = {}
         if "acct" in variant:
-            acct = {
-                "steps": steps,
-                "tracer_main_ms": round(spent["main_s"] * 1e3, 2),
-                "writer_ms": round(spent["writer_s"] * 1e3, 2),
-                "main_us_per_step": round(spent["main_s"] / max(steps, 1) * 1e6, 1),
-                "writer_us_per_step": round(spent["writer_s"] / max(steps, 1) * 1e6, 1),
-            }
-        return s, tok, {"error": t.error, "gc_s": round(gc_pause[0], 4), **acct, **t.stats}
+            acct.update(
+                {
+                    "steps": steps,
+                    "tracer_main_ms": round(spent["main_s"] * 1e3, 2),
+                    "writer_ms": round(spent["writer_s"] * 1e3, 2),
+                    "main_us_per_step": round(spent["main_s"] / max(steps, 1) * 1e6, 1),
+                    "writer_us_per_step": round(spent["writer_s"] / max(steps, 1) * 1e6, 1),
+                }
+            )
+        return s, tok, {"error": t.error, "gc_s": round(gc_pause[0], 4), **per_step, **acct, **t.stats}
 
     results: dict[str, list[float]] = {v: [] for v in variants}
+    step_medians: dict[str, list[float]] = {v: [] for v in variants}
     same: dict[str, list[bool]] = {v: [] for v in variants}
     stats: dict[str, dict] = {}
     started = time.monotonic()
@@ -186,6 +252,7 @@ def main() -> None:
         for v in order:
             s, tok, st = run(v, bs)
             results[v].append(s)
+            step_medians[v].append(st["median_step_ms"])
             round_tokens[v] = tok
             stats[v] = st
             print(f"round {r} {v:14s} {s:.3f} s {st}", flush=True)
@@ -227,6 +294,25 @@ def main() -> None:
                 f"{'':18s} {v:14s} paired geometric mean {_x(geo)}, 95% interval [{_x(low)}, {_x(high)}] "
                 f"over {len(paired)} rounds; >= 0.97x throughput shown (upper end <= {1 / 0.97:.4f}x): {shown}"
             )
+    if step_medians.get("untraced"):
+        print("\nthe median engine step of each pass, paired with the untraced pass of its round:")
+        for v in variants:
+            if v == "untraced":
+                continue
+            ratios = [t / u for t, u in zip(step_medians[v], step_medians["untraced"], strict=True) if u]
+            if len(ratios) < 2:
+                continue
+            geo, low, high = paired_interval(ratios)
+            shown = "yes" if high <= 1 / 0.97 else "no"
+            summary[v]["median_step_ms"] = step_medians[v]
+            summary[v]["x_untraced_median_step_geomean"] = geo
+            summary[v]["x_untraced_median_step_geomean_95"] = [low, high]
+            print(
+                f"{'':18s} {v:14s} median step {statistics.median(step_medians[v]):.3f} ms (untraced "
+                f"{statistics.median(step_medians['untraced']):.3f} ms): paired geometric mean {_x(geo)}, 95% "
+                f"interval [{_x(low)}, {_x(high)}] over {len(ratios)} rounds; >= 0.97x shown: {shown}"
+            )
+        summary.setdefault("untraced", {})["median_step_ms"] = step_medians["untraced"]
     if args.json:
         Path(args.json).write_text(json.dumps({"mode": args.mode, "summary": summary, "stats": stats}, indent=1))
     if args.no_profile:
@@ -248,6 +334,22 @@ def main() -> None:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumtime").print_callees("tracer/(ring|capture|hooks).py")
     print(out.getvalue()[:12000])
+
+
+def _check_trace(directory: str) -> dict[str, int]:
+    """The pass's trace: its records, their metadata problems, and decode steps whose ``seq_lens``
+    did not each grow by one from the request step before (a copy of another step's metadata)."""
+    from tracer.format import Trace
+    from tracer.format.metadata import check_records
+
+    trace = Trace.open(directory, strict=False)
+    records = [r for r in trace.records if r.kind == "request"]
+    problems = sum(c.num_problems for c in check_records(trace, records))
+    stale = 0
+    for before, after in itertools.pairwise(records):
+        if after.request_ids == before.request_ids and after.num_actual_tokens == len(after.seq_lens):
+            stale += any(b - a != 1 for a, b in zip(before.seq_lens, after.seq_lens, strict=True))
+    return {"records": len(records), "problems": problems, "not_advancing": stale, "read": len(trace.problems)}
 
 
 def _timed(fn, spent: dict[str, float], key: str):

@@ -232,3 +232,45 @@ def test_packed_steps_write_what_separate_copies_write(tmp_path, monkeypatch, mo
         lines[packed] = (tmp_path / str(packed) / "trace" / "steps.jsonl").read_text().splitlines()
     assert calls == [3, 3, 3]  # the separate copies were made
     assert len(lines[True]) == 4 and lines[True] == lines[False]
+
+
+def test_a_step_over_the_same_memory_reuses_the_flat_views_and_reads_its_own_values():
+    """The runner's metadata is a new set of views of its persistent buffers every step: a plan
+    made for the same memory is reused, and the copy holds what the memory holds at this step."""
+    from tracer import capture
+
+    capture.forget_plans()
+    md = _metadata()
+    views = []
+    for step in range(3):
+        md.seq_lens.fill_(100 + step)  # the runner writes its buffers in place
+        md.slot_mapping[:7] = torch.arange(7) + 2**33 * (step + 1)
+        parts = {k: getattr(md, k)[:n] for k, n in (("query_start_loc", 4), ("seq_lens", 3), ("slot_mapping", 7))}
+        parts["block_table"] = md.block_table[:3]  # whole rows: a view of the buffer
+        views.append(_pack(Slot(step), "0", parts))
+        _assert_same(views[-1], {k: v.clone() for k, v in parts.items()})
+    assert len(capture._PLANS) == 1  # one plan, made at the first step
+    assert [v["seq_lens"].tolist() for v in views] == [[100] * 3, [101] * 3, [102] * 3]
+    # other memory (a buffer the runner made anew): a plan of its own
+    _pack(Slot(9), "0", {**parts, "seq_lens": md.seq_lens.clone()[:3]})
+    assert len(capture._PLANS) == 2
+    capture.forget_plans()
+    assert not capture._PLANS
+
+
+def test_a_part_flattened_by_a_copy_is_not_kept():
+    """A block-table column slice is flattened by a kernel: its flat copy holds one step's values."""
+    from tracer import capture
+
+    capture.forget_plans()
+    md = _metadata()
+    parts = _parts(md, 3, 7, 4)  # block_table[:3, :4]: not contiguous
+    first = _pack(Slot(0), "0", parts)
+    assert not capture._PLANS
+    md.block_table[:3, :4] += 1
+    second = _pack(Slot(1), "0", _parts(md, 3, 7, 4))
+    assert torch.equal(second["block_table"], first["block_table"] + 1)
+    for _ in range(capture._PLANS_MAX + 3):  # bounded: the oldest plan goes first
+        capture._plan_of({"seq_lens": md.seq_lens.clone()})
+    assert len(capture._PLANS) == capture._PLANS_MAX
+    capture.forget_plans()

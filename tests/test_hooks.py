@@ -432,3 +432,75 @@ def test_a_step_whose_forward_ran_never_takes_a_graphs_staged_tensors(tmp_path):
     t._sink.finish()
     (rec,) = Trace.open(tmp_path / "trace").records
     assert rec.cudagraph == "piecewise" and not rec.tensors and not t._warned
+
+
+def test_an_untraced_layer_gets_vllms_own_forward_back_once_a_traced_layer_ran(tmp_path):
+    """vLLM calls ``self.impl.forward(...)``: an untraced layer's impl is given the original as its
+    own attribute (no wrapper call a step), the traced layer keeps the wrapper; ``stop`` undoes it."""
+    import types
+
+    t = Tracer(TracerOptions(str(tmp_path / "t"), layers=(0,)))
+    calls = []
+
+    def original(impl, layer, q, k, v, kv, md, out):
+        calls.append(layer.layer_name)
+        return out
+
+    class Impl:
+        forward = wrappers.forward(t, original)
+
+    Impl.forward.__pagedtrace_original__ = original
+    layers = [types.SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn") for i in range(3)]
+    impls = [Impl() for _ in layers]
+    reached = []  # layers whose call reached the tracer
+    on_forward = t._on_forward
+
+    def slow_path(impl, layer, *rest):
+        reached.append(layer.layer_name)
+        if layer is not layers[0]:  # the traced layer would need a real cache: pretend it was recorded
+            on_forward(impl, layer, *rest)
+        else:
+            t._fwd_md[layer.layer_name] = rest[2]
+
+    t._on_forward = slow_path
+
+    def model(runner, *args, **kwargs):
+        pairs = zip(impls, layers, strict=True)
+        return [impl.forward(layer, None, None, None, None, object(), "out") for impl, layer in pairs]
+
+    step = wrappers.runner(t, "execute_model")(model)
+    runner = types.SimpleNamespace(vllm_config=None)
+    assert step(runner) == ["out"] * 3
+    assert [("forward" in vars(impl)) for impl in impls] == [False, True, True]
+    reached.clear()
+    calls.clear()
+    assert step(runner) == ["out"] * 3
+    assert calls == [layer.layer_name for layer in layers]  # every layer's attention still runs
+    assert reached == [layers[0].layer_name]
+    t._restore_bypassed()
+    assert not any("forward" in vars(impl) for impl in impls)
+
+
+def test_untraced_layers_keep_the_wrapper_while_no_traced_layer_ran(tmp_path):
+    """A step in which no traced layer ran (the traced layer is elsewhere): nothing is bypassed, so
+    that the passes are still seen."""
+    import types
+
+    t = Tracer(TracerOptions(str(tmp_path / "t"), layers=(5,)))
+
+    class Impl:
+        forward = wrappers.forward(t, lambda impl, layer, q, k, v, kv, md, out: out)
+
+    Impl.forward.__pagedtrace_original__ = lambda impl, layer, q, k, v, kv, md, out: out
+    layers = [types.SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn") for i in range(2)]
+    impls = [Impl() for _ in layers]
+
+    def model(runner, *args, **kwargs):
+        pairs = zip(impls, layers, strict=True)
+        return [impl.forward(layer, None, None, None, None, object(), "out") for impl, layer in pairs]
+
+    step = wrappers.runner(t, "execute_model")(model)
+    runner = types.SimpleNamespace(vllm_config=None)
+    step(runner)
+    step(runner)
+    assert t.never_traced and not any("forward" in vars(impl) for impl in impls)

@@ -32,6 +32,7 @@ __all__ = [
     "AS_GIVEN_MAX",
     "Packed",
     "PackedViews",
+    "forget_plans",
     "layer_fields",
     "metadata_parts",
     "pack_host_copies",
@@ -147,8 +148,54 @@ def pack_host_copies(
     Making them is left to the writer because each tensor operation costs the engine's thread
     microseconds; the record writer process gets the buffer itself (``PackedViews.packed``).
     ``trim``: part -> how many leading rows the views keep (``metadata_parts``' ``as_given``).
-    None, with nothing queued, when a part is neither int32 nor int64.
+    None, with nothing queued, when a part is neither int32 nor int64. The flattening is kept
+    for the next step whose parts are the same memory (:data:`_PLANS`): then the step costs the
+    engine's thread two tensor operations, the ``cat`` and the copy.
     """
+    plan = _plan_of(parts)
+    if plan is None:
+        return None
+    host = slot.host_prefix(name, plan.total, plan.int32, pin=pin, sources=parts.values())
+    host.copy_(plan.cat(plan.flat), non_blocking=pin)
+    views = PackedViews()
+    views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {})
+    slot.view_makers.append(functools.partial(_fill_views, views))
+    return views
+
+
+@dataclass
+class _Plan:
+    """How :func:`pack_host_copies` flattens one set of parts: kept for the next step with the same tensors."""
+
+    flat: list[Any]  #: the parts as 1-d int32 views, in buffer order (they keep the memory alive)
+    order: tuple[str, ...]
+    widths: tuple[int, ...]
+    like: dict[str, tuple[Any, tuple[int, ...]]]
+    total: int
+    cat: Any  #: ``torch.cat``
+    int32: Any
+
+
+#: The last few plans, by what the parts are: (name, address, shape, strides, dtype) each. The
+#: runner's metadata is a new set of views of its persistent buffers every step, but of the same
+#: memory, shape and strides for a batch size it has seen: the views made for an earlier step
+#: read the same elements, and two tensor operations a step (``reshape``, ``view``) are saved.
+#: A plan keeps its views' memory alive, so no other tensor can take their addresses.
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_PLANS_MAX = 16
+
+
+def forget_plans() -> None:
+    """Let go of the kept plans and the runner's memory they hold (``Tracer.stop``)."""
+    _PLANS.clear()
+
+
+def _plan_of(parts: dict[str, Any]) -> _Plan | None:
+    """The plan for ``parts`` (made, or an earlier step's); None when a part is neither int32 nor int64."""
+    key = tuple((k, t.data_ptr(), t.shape, t.stride(), t.dtype) for k, t in parts.items())
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
     import torch
 
     int32, int64 = torch.int32, torch.int64
@@ -164,14 +211,14 @@ def pack_host_copies(
             src = (src if src.is_contiguous() else src.contiguous()).view(int32)
         flat.append(src)
     widths = tuple(f.shape[0] for f in flat)
-    total = sum(widths)
-    host = slot.host_prefix(name, total, int32, pin=pin, sources=parts.values())
-    host.copy_(torch.cat(flat), non_blocking=pin)
-    views = PackedViews()
     like = {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()}
-    views.packed = Packed(host, tuple(order), widths, like, trim or {})
-    slot.view_makers.append(functools.partial(_fill_views, views))
-    return views
+    plan = _Plan(flat, tuple(order), widths, like, sum(widths), torch.cat, int32)
+    if all(f.data_ptr() == parts[k].data_ptr() for k, f in zip(order, flat, strict=True)):
+        # views, not copies (a non-contiguous part's flat copy holds this step's values only)
+        if len(_PLANS) >= _PLANS_MAX:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = plan
+    return plan
 
 
 def _fill_views(views: PackedViews) -> None:

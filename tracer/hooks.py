@@ -45,10 +45,11 @@ import logging
 import os
 import sys
 import threading
+import types
 from typing import Any
 
 from tracer import wrappers
-from tracer.capture import layer_fields, queue_host_copies, read_columns, step_fields, tensor_clones
+from tracer.capture import forget_plans, layer_fields, queue_host_copies, read_columns, step_fields, tensor_clones
 from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
 from tracer.manifest import import_attr
 from tracer.options import TracerOptions
@@ -155,6 +156,8 @@ class Tracer:
         self._names_cache: tuple[Any, list[str]] | None = None  # ``_wanted_of``'s last answer
         #: layers no request step traces (``options.layers`` rules them out, for good)
         self.never_traced: dict[str, bool] = {}
+        self._to_bypass: list[Any] = []  # impls of never-traced layers, not yet given their own forward
+        self._bypassed: list[Any] = []  # impls given vLLM's own forward (``_bypass_untraced``)
         #: the forward wrapper's fast path: layers it passes by at once. ``never_traced`` while a
         #: request step runs (``tracer.wrappers.runner`` sets it), empty otherwise
         self.untraced_now: dict[str, bool] = {}
@@ -218,7 +221,9 @@ class Tracer:
                 self.stats.update(self._sink.stats, ring_waits=self._pool.waits)
                 self._sink.finish()
             finally:
+                self._restore_bypassed()
                 self._uninstall()
+                forget_plans()
                 for k, v in self._env_backup.items():
                     if v is None:
                         os.environ.pop(k, None)
@@ -369,8 +374,11 @@ class Tracer:
             if not self._wants(name):
                 if not self._selected(name):
                     # Every later request step too: from now on the wrapper returns at once (each
-                    # layer's forward runs once a step, so a per-step mark would never be read).
+                    # layer's forward runs once a step, so a per-step mark would never be read),
+                    # and once a traced layer has run, vLLM calls the layer's own forward.
                     self.never_traced[name] = True
+                    if impl is not None:
+                        self._to_bypass.append(impl)
                 return
             if self.options.layers == "first" and self._layer_locked is None:
                 self._layer_locked = name
@@ -487,6 +495,8 @@ class Tracer:
 
     def _end_step(self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict) -> None:
         self.untraced_now = {}  # the fast path holds inside request steps only
+        if self._to_bypass and self._fwd_md:
+            self._bypass_untraced()
         try:
             if method == "execute_model" and kind == "request":
                 self._end_request_step(runner, args, kwargs)
@@ -497,6 +507,33 @@ class Tracer:
         except Exception as exc:  # noqa: BLE001
             self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
             self._drop_slot()
+
+    def _bypass_untraced(self) -> None:
+        """Give the layers no step traces vLLM's own ``forward`` back, on their impl objects.
+
+        Called at the end of a request step in which a traced layer's ``forward`` ran: that layer
+        keeps the wrapper, which is all that later passes need (their steps, warm-up passes and
+        gaps are seen through it). Each wrapper call of an untraced layer cost the engine's thread
+        about a microsecond a step; with the impl's own attribute, vLLM's
+        ``self.impl.forward(...)`` finds the original first. ``stop`` removes the attributes.
+        """
+        impls, self._to_bypass = self._to_bypass, []
+        for impl in impls:
+            wrapper = getattr(type(impl), "forward", None)
+            original = getattr(wrapper, "__pagedtrace_original__", None)
+            if original is None or "forward" in vars(impl):
+                continue
+            try:
+                impl.forward = types.MethodType(original, impl)
+            except (AttributeError, TypeError):  # no instance attributes (__slots__): the wrapper stays
+                continue
+            self._bypassed.append(impl)
+
+    def _restore_bypassed(self) -> None:
+        while self._bypassed:
+            impl = self._bypassed.pop()
+            with contextlib.suppress(AttributeError):
+                del impl.forward
 
     def _end_pass(self) -> None:
         """A forward pass is over: a layer whose cache was written without a log entry loses its log."""

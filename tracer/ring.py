@@ -203,7 +203,9 @@ class WriterThread:
         self._handle = handle
         self._end = end
         self._on_error = on_error
-        self._queue: queue.Queue[Slot | None] = queue.Queue()
+        # A SimpleQueue: ``put`` is one C call on the engine's thread (a ``queue.Queue`` takes its
+        # lock and notifies in Python). ``drain`` queues a marker and waits for the thread to reach it.
+        self._queue: queue.SimpleQueue[Slot | threading.Event | None] = queue.SimpleQueue()
         self._failed = False
         self.throttle = throttle
         self._thread = threading.Thread(target=self._run, name="pagedtrace-writer", daemon=True)
@@ -214,33 +216,40 @@ class WriterThread:
 
     def drain(self) -> None:
         """Block until every submitted slot is handled."""
-        self._queue.join()
+        if not self._thread.is_alive():
+            return
+        done = threading.Event()
+        self._queue.put(done)
+        while not done.wait(1.0):
+            if not self._thread.is_alive():  # not reached: the thread ends only at ``close``
+                return
 
     def close(self) -> None:
         """Handle what is queued, then end the thread."""
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
             slot = self._queue.get()
-            try:
-                if slot is None:
-                    return
-                if self.throttle:
-                    import time
+            if slot is None:
+                return
+            if isinstance(slot, threading.Event):  # ``drain``: every slot before it is handled
+                slot.set()
+                continue
+            if self.throttle:
+                import time
 
-                    time.sleep(self.throttle)
-                if not self._failed:
-                    try:
-                        if slot.event is not None and slot.recorded:
-                            slot.event.synchronize()
-                        self._handle(slot)
-                        if self._end is not None:
-                            self._end()
-                    except BaseException as exc:  # noqa: BLE001 - the engine must run on
-                        self._failed = True
-                        self._on_error(exc)
-                self.pool.release(slot)
-            finally:
-                self._queue.task_done()
+                time.sleep(self.throttle)
+            if not self._failed:
+                try:
+                    if slot.event is not None and slot.recorded:
+                        slot.event.synchronize()
+                    self._handle(slot)
+                    if self._end is not None:
+                        self._end()
+                except BaseException as exc:  # noqa: BLE001 - the engine must run on
+                    self._failed = True
+                    self._on_error(exc)
+            self.pool.release(slot)

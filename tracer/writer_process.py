@@ -27,7 +27,12 @@ and the tracer reports it (``RecordProcess.close``).
 ``PAGEDTRACE_WRITER=thread`` keeps the records on the writer thread (the child is only used
 for traces without tensors: tensor steps copy from the device on the writer thread).
 
-    python -m tracer.writer_process      (started by RecordProcess, not by hand)
+    python -m tracer.writer_process --detach      (started by RecordProcess, not by hand)
+
+It detaches at once (a fork; the first process ends), so that it is nobody's child: vLLM's
+shutdown SIGKILLs the worker's descendants, and a record still in the pipe would be lost with
+it. Its first line on stdout is :data:`STARTED` with its pid, its last :data:`DONE` when it
+ended well; a child that ended without it was killed.
 
 Imports the standard library, ``msgspec`` (a dependency of vLLM) and the bottom layer only.
 """
@@ -55,6 +60,10 @@ ENV_WRITER = "PAGEDTRACE_WRITER"
 _LENGTH = struct.Struct("<I")
 #: The child's answer to ``["sync"]``: every record sent before it is written.
 SYNCED = b"synced\n"
+#: The child's first line, once detached: ``pagedtrace-writer pid N``.
+STARTED = b"pagedtrace-writer pid "
+#: The child's last line when it ended well (end of input, everything written).
+DONE = b"pagedtrace-writer done\n"
 
 
 def writer_mode() -> str:
@@ -98,7 +107,8 @@ class RecordProcess:
         #: the trace directory, asked at the first send: a tensor-parallel rank is known only by then
         self.directory = directory
         self._told = False  # the child was sent the directory
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None  #: its pipes (the process itself is detached)
+        self.pid: int | None = None  #: the detached child's pid, once started
         self._encode: Any = None
         self._lock = threading.Lock()  # the writer thread sends, the engine's thread may sync (drain)
         self.error: str | None = None  #: the child's one-line error, once it ended early
@@ -153,14 +163,16 @@ class RecordProcess:
         assert proc.stdin is not None and proc.stdout is not None
         with contextlib.suppress(OSError):  # the child ended early: its error is on stdout
             proc.stdin.close()
-        said = (said + "\n" + proc.stdout.read().decode("utf-8", "replace")).strip()
-        code = proc.wait()
-        if (failed or code != 0) and self.error is None:
+        rest = proc.stdout.read()  # to its end: the child has ended (or closed its stdout, to end)
+        done = rest.endswith(DONE)
+        said = (said + "\n" + rest.decode("utf-8", "replace")).strip()
+        lines = [line for line in said.splitlines() if line.encode() + b"\n" not in (DONE, SYNCED)]
+        if (failed or not done) and self.error is None:
             self.error = (
-                said.splitlines()[-1]
-                if said
-                else f"pagedtrace: the record writer process ended (exit code {code}); "
-                "tracing stops, the engine runs on"
+                lines[-1]
+                if lines
+                else f"pagedtrace: the record writer process (pid {self.pid}) ended before its end of input "
+                "(killed?); tracing stops, the engine runs on"
             )
         return self.error
 
@@ -178,8 +190,8 @@ class RecordProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._told = False
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tracer.writer_process"],
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tracer.writer_process", "--detach"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -188,6 +200,19 @@ class RecordProcess:
             # closes the pipe, and the child writes what it has before it ends (end of input).
             start_new_session=True,
         )
+        # It forks at once and the first process ends: the one left is nobody's child (init adopts
+        # it), so that vLLM's shutdown, which SIGKILLs the worker's descendants (psutil's
+        # children(recursive=True), vllm.utils.system_utils.kill_process_tree), does not kill it
+        # with records still in the pipe. It reports its pid, and ends with DONE.
+        proc.wait()
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        if not first.startswith(STARTED):
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # type: ignore[union-attr]
+            raise OSError(f"the record writer process did not start (it said {first[:200]!r})")
+        self.pid = int(first[len(STARTED) :])
+        self._proc = proc
 
 
 def _read_exact(stream: Any, n: int) -> bytes | None:
@@ -240,8 +265,31 @@ def _lists(host: dict[str, list[Any]]) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    """The child: records from stdin into the ``steps.jsonl`` the first message names; 0 at end of input."""
+def main(argv: list[str] | None = None) -> int:
+    """The child: records from stdin into the ``steps.jsonl`` the first message names; 0 at end of input.
+
+    ``--detach`` (how :class:`RecordProcess` starts it): fork, and let the first process end, so
+    that the one left, which does the work, has no parent to be killed with; its first line
+    on stdout is :data:`STARTED` and its pid. It ends with :data:`DONE` when it ended well.
+    """
+    if "--detach" in (sys.argv[1:] if argv is None else argv):
+        if os.fork():
+            os._exit(0)
+        _say(STARTED + str(os.getpid()).encode() + b"\n")
+    code = _records()
+    if code == 0:
+        _say(DONE)
+    return code
+
+
+def _say(line: bytes) -> None:
+    with contextlib.suppress(OSError):  # the tracer's process has gone: nobody to tell
+        sys.stdout.buffer.write(line)
+        sys.stdout.flush()
+
+
+def _records() -> int:
+    """Records from stdin (:func:`main`): 0 at end of input, 3 after a one-line error on stdout."""
     import msgspec
 
     from tracer.format import TraceWriter, record_from_json
@@ -265,8 +313,7 @@ def main() -> int:
             lists: dict[int, dict[str, Any]] = {}
             for item in items:
                 if item[0] == "sync":  # everything before it is on disk
-                    sys.stdout.buffer.write(SYNCED)
-                    sys.stdout.flush()
+                    _say(SYNCED)
                     continue
                 if item[0] == "directory":
                     directory = item[1]
@@ -294,8 +341,7 @@ def main() -> int:
 
 
 def _failed(message: str) -> int:
-    sys.stdout.write(message.replace("\n", " ") + "\n")
-    sys.stdout.flush()
+    _say(message.replace("\n", " ").encode("utf-8", "replace") + b"\n")
     return 3
 
 
