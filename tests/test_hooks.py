@@ -504,3 +504,24 @@ def test_untraced_layers_keep_the_wrapper_while_no_traced_layer_ran(tmp_path):
     step(runner)
     step(runner)
     assert t.never_traced and not any("forward" in vars(impl) for impl in impls)
+
+
+def test_an_impl_without_instance_attributes_keeps_the_wrapper(tmp_path):
+    """``__slots__``: the untraced layer's calls keep passing through the wrapper's fast path."""
+    import types
+
+    t = Tracer(TracerOptions(str(tmp_path / "t"), layers=(0,)))
+
+    def original(impl, layer, q, k, v, kv, md, out):
+        return out
+
+    class Impl:
+        __slots__ = ()
+        forward = wrappers.forward(t, original)
+
+    Impl.forward.__pagedtrace_original__ = original
+    t._to_bypass = [Impl()]
+    t._fwd_md = {"model.layers.0.self_attn.attn": object()}
+    t._bypass_untraced()
+    assert t._bypassed == [] and t._to_bypass == []
+    assert Impl().forward(types.SimpleNamespace(layer_name="x"), None, None, None, None, None, "out") == "out"

@@ -495,9 +495,9 @@ class Tracer:
 
     def _end_step(self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict) -> None:
         self.untraced_now = {}  # the fast path holds inside request steps only
-        if self._to_bypass and self._fwd_md:
-            self._bypass_untraced()
         try:
+            if self._to_bypass and self._fwd_md:
+                self._bypass_untraced()
             if method == "execute_model" and kind == "request":
                 self._end_request_step(runner, args, kwargs)
             elif not self._seen_in_step and kind == "profile" and step_in_range(self.step, self.options.steps):
@@ -521,11 +521,12 @@ class Tracer:
         for impl in impls:
             wrapper = getattr(type(impl), "forward", None)
             original = getattr(wrapper, "__pagedtrace_original__", None)
-            if original is None or "forward" in vars(impl):
+            own = getattr(impl, "__dict__", None)  # None: no instance attributes (__slots__), the wrapper stays
+            if original is None or own is None or "forward" in own:
                 continue
             try:
                 impl.forward = types.MethodType(original, impl)
-            except (AttributeError, TypeError):  # no instance attributes (__slots__): the wrapper stays
+            except (AttributeError, TypeError):  # a read-only attribute: the wrapper stays
                 continue
             self._bypassed.append(impl)
 
