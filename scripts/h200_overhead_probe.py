@@ -16,6 +16,8 @@ round so drift cancels. Variants:
                       thread and of the writer's handling of each slot summed (``tracer_main_ms``,
                       ``writer_ms``, per step): what it can take from a launch-bound engine at most
 * ``runner-off``      the wrappers only: the runner-level capture of each step does nothing
+* ``idle``            a placebo: the tracer started (its writer thread and record writer process
+                      running) and its hooks removed at once: what the probe's own protocol costs
 * ``tensors-l0``      tensors for layer 0 (in a full-graph mode the copies were captured by a
                       tracer started before the engine, then stopped: ``tracer.staging``)
 * ``tensors-l0-ring8`` the same with an 8-slot ring (``PAGEDTRACE_RING_SLOTS=8``, the old default)
@@ -31,7 +33,9 @@ With ``--until S`` it starts no round after S seconds, so that one call of a fix
 as many rounds as fit (e.g. ``--rounds 200 --until 420 --variants untraced,metadata
 --no-profile``: ~80 rounds in one 10-minute call on the H200). Each traced variant is also given
 as the geometric mean of its per-round ratios to the untraced pass, with a 95% bootstrap
-interval over the rounds, and whether that interval shows ≥ 0.97× throughput.
+interval over the rounds, and whether that interval shows ≥ 0.97× throughput; every other
+traced variant also against ``metadata`` the same way (which change to the tracer helps).
+Each round line gives the time it ended (``at``, Unix seconds), to set beside clock samples.
 """
 
 from __future__ import annotations
@@ -155,8 +159,19 @@ def main() -> None:
             "sum_steps_s": round(sum(step_s), 4),
         }
 
+    def warm_up(bs: list[list]) -> None:
+        """The short generate every variant runs right before its timed pass, untraced too.
+
+        For a traced variant it writes the trace's manifest and pins the slots' buffers off the
+        clock; the untraced pass gets it as well, so that every pass starts from the same state
+        (before, untraced passes started cold: the ``idle`` placebo came out as slow as
+        ``metadata``).
+        """
+        llm.generate(bs[0][:2], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
+
     def run(variant: str, bs: list[list]) -> tuple[float, list, dict]:
         if variant == "untraced":
+            warm_up(bs)
             s, tok = timed(bs)
             return s, tok, {"gc_s": round(gc_pause[0], 4), **step_stats()}
         os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
@@ -168,6 +183,8 @@ def main() -> None:
         t = tracer.start(directory, export_env=False, **kw)
         if variant == "runner-off":
             t._end_request_step = lambda *a, **k: None
+        if variant == "idle":  # the writer thread and process running, no hook installed: what their presence costs
+            t._uninstall()
         if variant == "metadata-nowriter":  # the writer thread takes no GIL: what the engine's thread alone costs
             t._thread._handle = lambda slot: None
             t._thread._end = None
@@ -205,8 +222,7 @@ def main() -> None:
             t._thread._handle = _timed(t._thread._handle, spent, "writer_s")
             if t._thread._end is not None:
                 t._thread._end = _timed(t._thread._end, spent, "writer_s")
-        # Untimed: the trace's first record writes its manifest; slot buffers get pinned.
-        llm.generate(bs[0][:2], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
+        warm_up(bs)  # untimed: the trace's first record writes its manifest; slot buffers get pinned
         spent.update(dict.fromkeys(spent, 0.0))
         steps0 = t.step
         s, tok = timed(bs)
@@ -255,7 +271,7 @@ def main() -> None:
             step_medians[v].append(st["median_step_ms"])
             round_tokens[v] = tok
             stats[v] = st
-            print(f"round {r} {v:14s} {s:.3f} s {st}", flush=True)
+            print(f"round {r} {v:14s} {s:.3f} s at {time.time():.1f} {st}", flush=True)
         ref = round_tokens.get("untraced")
         for v in variants:
             same[v].append(ref is None or round_tokens[v] == ref)
@@ -292,6 +308,17 @@ def main() -> None:
             print(
                 f"{'':18s} {v:14s} paired geometric mean {_x(geo)}, 95% interval [{_x(low)}, {_x(high)}] over "
                 f"{len(paired)} rounds; >= 0.97x throughput shown (upper end <= {SHOWN_BELOW:.4f}x): {_shown(high)}"
+            )
+    if "metadata" in results:
+        # The traced variants against each other, paired the same way (which change to the tracer helps)
+        for v in variants:
+            if v in ("untraced", "metadata") or len(results[v]) < 2:
+                continue
+            geo, low, high = paired_interval([t / m for t, m in zip(results[v], results["metadata"], strict=True)])
+            summary[v]["x_metadata_paired_geomean"] = geo
+            summary[v]["x_metadata_paired_geomean_95"] = [low, high]
+            print(
+                f"{'':18s} {v:14s} over metadata: paired geometric mean {_x(geo)}, 95% interval [{_x(low)}, {_x(high)}]"
             )
     if step_medians.get("untraced"):
         print("\nthe median engine step of each pass, paired with the untraced pass of its round:")
