@@ -164,8 +164,7 @@ def main() -> None:
 
         For a traced variant it writes the trace's manifest and pins the slots' buffers off the
         clock; the untraced pass gets it as well, so that every pass starts from the same state
-        (before, untraced passes started cold: the ``idle`` placebo came out as slow as
-        ``metadata``).
+        (before, only traced passes had it).
         """
         llm.generate(bs[0][:2], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
 
