@@ -54,7 +54,7 @@ from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
 from tracer.manifest import import_attr
 from tracer.options import TracerOptions
 from tracer.pending import LayerCapture, LayerStatic, capture_scales, dtype_name
-from tracer.ring import Slot, SlotPool, WriterThread, event_blocking, record_event
+from tracer.ring import Slot, SlotPool, WriterThread, event_blocking, events_on_writer, leave_event, record_event
 from tracer.runtime import capturing, cuda_available, is_warmup_batch
 from tracer.sink import TraceSink
 from tracer.staging import SHARED as GRAPH_STAGING
@@ -134,6 +134,10 @@ class Tracer:
         self._kv_inputs: dict[str, dict[str, Any]] = {}
         self._pool = SlotPool(ring_slots)
         self._blocking_events = self._sink.blocking_events = event_blocking()
+        #: ``PAGEDTRACE_EVENT_ON=writer``: (``torch._C._cuda_getCurrentRawStream``, device) once the
+        #: first step is handed over on CUDA; None: the engine's thread records each step's event
+        self._event_stream: tuple[Any, int] | None = None
+        self._events_on_writer = events_on_writer()
         self._ring_slots = ring_slots
         self._throttle = throttle
         self._thread: WriterThread | None = None
@@ -202,6 +206,7 @@ class Tracer:
             self._on_writer_error,
             throttle=self._throttle,
             end=self._sink.send_records,
+            blocking=self._blocking_events,
         )
 
     def stop(self) -> None:
@@ -649,7 +654,15 @@ class Tracer:
                     "tracing stops, the engine runs on"
                 )
                 return
-            record_event(slot, cuda_available(), blocking=self._blocking_events)
+            if self._events_on_writer and cuda_available():
+                if self._event_stream is None:
+                    import torch
+
+                    self._event_stream = (torch._C._cuda_getCurrentRawStream, torch.cuda.current_device())
+                current_stream, device = self._event_stream
+                leave_event(slot, current_stream(device), device)
+            else:
+                record_event(slot, cuda_available(), blocking=self._blocking_events)
         self._thread.submit(slot)
 
     def _drop_slot(self) -> None:

@@ -23,7 +23,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ENV_EVENT_WAIT", "Slot", "SlotPool", "WriterThread", "event_blocking", "record_event"]
+__all__ = [
+    "ENV_EVENT_ON",
+    "ENV_EVENT_WAIT",
+    "Slot",
+    "SlotPool",
+    "WriterThread",
+    "event_blocking",
+    "events_on_writer",
+    "leave_event",
+    "record_event",
+]
 
 logger = logging.getLogger("pagedtrace")
 
@@ -42,6 +52,10 @@ class Slot:
     #: the step hands it to the writer (``tracer.hooks``); a slot of gaps alone queues none
     queued: bool = False
     recorded: bool = False  #: the event was recorded for this use of the slot (gaps alone record none)
+    #: ``PAGEDTRACE_EVENT_ON=writer``: the raw CUDA stream (and its device) the step's copies were
+    #: queued on, for the writer thread to record the event on; 0: nothing left to record
+    stream: int = 0
+    device: int = 0
     payload: Any = None  #: what the writer turns into records
     device_bytes: int = 0  #: bytes of device tensors the payload holds
     #: what makes the host views of packed copies (``tracer.capture.pack_host_copies``): left by
@@ -143,6 +157,7 @@ class SlotPool:
             slot.device_bytes = 0
             slot.payload = None
             slot.queued = slot.recorded = False
+            slot.stream = 0
             slot.view_makers.clear()
             self._free.append(slot)
             self._cond.notify_all()
@@ -162,6 +177,32 @@ def event_blocking() -> bool:
     if mode not in ("blocking", "spin"):
         raise ValueError(f"{ENV_EVENT_WAIT}={mode!r}: expected 'blocking' or 'spin'")
     return mode == "blocking"
+
+
+#: Which thread records a step's event (``PAGEDTRACE_EVENT_ON``): ``engine`` (the default), the
+#: engine's thread when it hands the slot over; or ``writer``: the writer thread, on the stream
+#: the engine's thread queued the copies on, when it takes the slot (:func:`leave_event`). A
+#: later record only fires later: it covers the copies and whatever the engine queued since.
+ENV_EVENT_ON = "PAGEDTRACE_EVENT_ON"
+
+
+def events_on_writer() -> bool:
+    """Whether the writer thread records the steps' events (``PAGEDTRACE_EVENT_ON``, default ``engine``)."""
+    import os
+
+    where = (os.environ.get(ENV_EVENT_ON) or "engine").strip().lower()
+    if where not in ("engine", "writer"):
+        raise ValueError(f"{ENV_EVENT_ON}={where!r}: expected 'engine' or 'writer'")
+    return where == "writer"
+
+
+def leave_event(slot: Slot, stream: int, device: int) -> None:
+    """Leave the slot's event to the writer thread: it records it on ``stream`` (raw, of ``device``).
+
+    On the engine's thread this costs reading the current stream, no CUDA call: the record,
+    one CUDA call that lets go of the GIL, is made by the writer thread instead.
+    """
+    slot.stream, slot.device = stream, device
 
 
 def record_event(slot: Slot, on_cuda: bool, *, blocking: bool = True) -> None:
@@ -198,8 +239,11 @@ class WriterThread:
         *,
         throttle: float = 0.0,
         end: Callable[[], None] | None = None,
+        blocking: bool = True,
     ):
         self.pool = pool
+        self.blocking = blocking  #: events this thread makes (``leave_event``) block their waiter
+        self._streams: dict[tuple[int, int], Any] = {}  #: (raw stream, device) -> ``torch.cuda.ExternalStream``
         self._handle = handle
         self._end = end
         self._on_error = on_error
@@ -244,6 +288,8 @@ class WriterThread:
                 time.sleep(self.throttle)
             if not self._failed:
                 try:
+                    if slot.stream:
+                        self._record(slot)
                     if slot.event is not None and slot.recorded:
                         slot.event.synchronize()
                     self._handle(slot)
@@ -253,3 +299,16 @@ class WriterThread:
                     self._failed = True
                     self._on_error(exc)
             self.pool.release(slot)
+
+    def _record(self, slot: Slot) -> None:
+        """Record the event the engine's thread left to this one (:func:`leave_event`) on its stream."""
+        import torch
+
+        key = (slot.stream, slot.device)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.ExternalStream(slot.stream, device=slot.device)
+        if slot.event is None:
+            slot.event = torch.cuda.Event(blocking=self.blocking)
+        slot.event.record(stream)
+        slot.recorded = True
