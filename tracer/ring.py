@@ -199,8 +199,9 @@ def events_on_writer() -> bool:
 def leave_event(slot: Slot, stream: int, device: int) -> None:
     """Leave the slot's event to the writer thread: it records it on ``stream`` (raw, of ``device``).
 
-    On the engine's thread this costs reading the current stream, no CUDA call: the record,
-    one CUDA call that lets go of the GIL, is made by the writer thread instead.
+    On the engine's thread this costs reading the current stream, no CUDA call: the record
+    (~50 µs of the engine's thread a step under vLLM on the H200, ``metadata-parts``) is made
+    by the writer thread instead.
     """
     slot.stream, slot.device = stream, device
 
