@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tracer.options import env_choice
+
 __all__ = [
     "ENV_EVENT_ON",
     "ENV_EVENT_WAIT",
@@ -171,12 +173,7 @@ ENV_EVENT_WAIT = "PAGEDTRACE_EVENT_WAIT"
 
 def event_blocking() -> bool:
     """Whether events are made with ``blocking=True`` (``PAGEDTRACE_EVENT_WAIT``, default ``blocking``)."""
-    import os
-
-    mode = (os.environ.get(ENV_EVENT_WAIT) or "blocking").strip().lower()
-    if mode not in ("blocking", "spin"):
-        raise ValueError(f"{ENV_EVENT_WAIT}={mode!r}: expected 'blocking' or 'spin'")
-    return mode == "blocking"
+    return env_choice(ENV_EVENT_WAIT, ("blocking", "spin")) == "blocking"
 
 
 #: Which thread records a step's event (``PAGEDTRACE_EVENT_ON``): ``engine`` (the default), the
@@ -188,12 +185,7 @@ ENV_EVENT_ON = "PAGEDTRACE_EVENT_ON"
 
 def events_on_writer() -> bool:
     """Whether the writer thread records the steps' events (``PAGEDTRACE_EVENT_ON``, default ``engine``)."""
-    import os
-
-    where = (os.environ.get(ENV_EVENT_ON) or "engine").strip().lower()
-    if where not in ("engine", "writer"):
-        raise ValueError(f"{ENV_EVENT_ON}={where!r}: expected 'engine' or 'writer'")
-    return where == "writer"
+    return env_choice(ENV_EVENT_ON, ("engine", "writer")) == "writer"
 
 
 def leave_event(slot: Slot, stream: int, device: int) -> None:

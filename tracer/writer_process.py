@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from tracer.format import TraceError
+from tracer.options import env_choice
 
 __all__ = ["ENV_WRITER", "RecordProcess", "host_message", "main", "writer_mode"]
 
@@ -68,10 +69,7 @@ DONE = b"pagedtrace-writer done\n"
 
 def writer_mode() -> str:
     """``PAGEDTRACE_WRITER``: ``process`` (default) or ``thread``; anything else is a one-line ValueError."""
-    mode = (os.environ.get(ENV_WRITER) or "process").strip().lower()
-    if mode not in ("process", "thread"):
-        raise ValueError(f"{ENV_WRITER}={mode!r}: expected 'process' or 'thread'")
-    return mode
+    return env_choice(ENV_WRITER, ("process", "thread"))
 
 
 #: Host dtypes as ``numpy`` dtype strings, without asking numpy (``tracer.capture.Packed.like``).
