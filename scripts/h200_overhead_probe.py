@@ -12,6 +12,8 @@ round so drift cancels. Variants:
 * ``metadata-spin``   the same, events busy-waited (``PAGEDTRACE_EVENT_WAIT=spin``; the old tracer)
 * ``metadata-writerevent`` the same, each step's event recorded by the writer thread
                       (``PAGEDTRACE_EVENT_ON=writer``): one CUDA call less on the engine's thread
+* ``metadata-apart``  the same, its writer thread and record writer process kept off the engine
+                      thread's core (``PAGEDTRACE_AFFINITY=apart``, ``tracer.affinity``)
 * ``metadata-parts``  the metadata tracer, each piece of its engine-thread work timed apart
 * ``metadata-nowriter`` the writer thread does nothing with a slot (records lost): the engine's share alone
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
@@ -52,8 +54,10 @@ import os
 import pstats
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -74,7 +78,14 @@ def main() -> None:
         "--until", type=float, default=0.0, help="start no round after this many seconds of rounds (0: all --rounds)"
     )
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile of one metadata pass at the end")
+    ap.add_argument(
+        "--clocks",
+        default="",
+        help="sample the GPU's SM clock every 20 ms into this file (benchmarks/gpu_clocks.py) and compare "
+        "the steps that ran at full clock",
+    )
     args = ap.parse_args()
+    sampler = _start_sampler(args.clocks) if args.clocks else None
     variants = [v for v in args.variants.split(",") if v]
     import tracer
     from tracer.loader import register_loader
@@ -120,12 +131,20 @@ def main() -> None:
         print(f"capture tracer: {capture_tracer.stats}; staged graphs: {len(capture_tracer._staging)}")
 
     gc_pause = [0.0, 0.0]  # seconds in the collector during the timed pass, start of the current collection
+    # the timed pass's collections: (generation, thread) -> [count, seconds]; the engine's thread is "engine"
+    gc_runs: dict[tuple[int, str], list[float]] = {}
+    engine_thread = threading.get_ident()
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
             gc_pause[1] = time.perf_counter()
         else:
-            gc_pause[0] += time.perf_counter() - gc_pause[1]
+            took = time.perf_counter() - gc_pause[1]
+            gc_pause[0] += took
+            who = "engine" if threading.get_ident() == engine_thread else threading.current_thread().name
+            run = gc_runs.setdefault((info.get("generation", -1), who), [0, 0.0])
+            run[0] += 1
+            run[1] += took
 
     gc.callbacks.append(on_gc)
 
@@ -133,9 +152,11 @@ def main() -> None:
     # step: scheduling, the model runner, the outputs). A pass's median step is what a burst on
     # the host (a few slow steps) leaves alone; the pass's wall time is not.
     step_s: list[float] = []
+    step_at: list[float] = []  # each step's start, Unix seconds (to find the clock it ran at)
     engine_step = llm.llm_engine.step
 
     def timed_step():
+        step_at.append(time.time())
         t0 = time.perf_counter()
         try:
             return engine_step()
@@ -144,18 +165,30 @@ def main() -> None:
 
     llm.llm_engine.step = timed_step
 
+    host: dict[str, Any] = {}  # the timed pass's host figures (``_host_now`` before and after)
+
     def timed(bs: list[list]) -> tuple[float, list]:
         gc_pause[0] = 0.0
+        gc_runs.clear()
         step_s.clear()
+        step_at.clear()
+        before = _host_now()
         t0 = time.perf_counter()
         tokens = []
         for b in bs:
             tokens += [list(o.outputs[0].token_ids) for o in llm.generate(b, params, use_tqdm=False)]
-        return time.perf_counter() - t0, tokens
+        took = time.perf_counter() - t0
+        after = _host_now()
+        host.clear()
+        host.update({k: after[k] - before[k] for k in before if k != "cpu"})
+        host["cpu"] = [before["cpu"], after["cpu"]]
+        return took, tokens
 
-    def step_stats() -> dict[str, float]:
-        """The timed pass's engine steps: how many, their median and their sum (ms)."""
+    def step_stats() -> dict[str, Any]:
+        """The timed pass's engine steps: how many, their median and their sum (ms); its collections."""
         return {
+            "host": dict(host),
+            "gc": {f"gen{g}@{who}": [n, round(t * 1e3, 2)] for (g, who), (n, t) in sorted(gc_runs.items())},
             "engine_steps": len(step_s),
             "median_step_ms": round(statistics.median(step_s) * 1e3, 4) if step_s else 0.0,
             "sum_steps_s": round(sum(step_s), 4),
@@ -178,6 +211,7 @@ def main() -> None:
         os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
         os.environ["PAGEDTRACE_WRITER"] = "thread" if variant == "metadata-thread" else "process"
         os.environ["PAGEDTRACE_EVENT_ON"] = "writer" if variant == "metadata-writerevent" else "engine"
+        os.environ["PAGEDTRACE_AFFINITY"] = "apart" if variant.endswith("-apart") else "any"
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
         kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}
@@ -240,6 +274,7 @@ def main() -> None:
         os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
         os.environ.pop("PAGEDTRACE_WRITER", None)
         os.environ.pop("PAGEDTRACE_EVENT_ON", None)
+        os.environ.pop("PAGEDTRACE_AFFINITY", None)
         if variant.startswith("metadata") and variant != "metadata-nowriter":
             acct["check"] = _check_trace(directory)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)
@@ -256,6 +291,7 @@ def main() -> None:
         return s, tok, {"error": t.error, "gc_s": round(gc_pause[0], 4), **per_step, **acct, **t.stats}
 
     results: dict[str, list[float]] = {v: [] for v in variants}
+    pass_steps: dict[str, list[list[tuple[float, float]]]] = {v: [] for v in variants}  # (start, seconds)
     step_medians: dict[str, list[float]] = {v: [] for v in variants}
     same: dict[str, list[bool]] = {v: [] for v in variants}
     stats: dict[str, dict] = {}
@@ -272,6 +308,7 @@ def main() -> None:
             s, tok, st = run(v, bs)
             results[v].append(s)
             step_medians[v].append(st["median_step_ms"])
+            pass_steps[v].append([(round(a, 4), round(d, 6)) for a, d in zip(step_at, step_s, strict=True)])
             round_tokens[v] = tok
             stats[v] = st
             print(f"round {r} {v:14s} {s:.3f} s at {time.time():.1f} {st}", flush=True)
@@ -341,8 +378,16 @@ def main() -> None:
                 f"interval [{_x(low)}, {_x(high)}] over {len(ratios)} rounds; >= 0.97x shown: {_shown(high)}"
             )
         summary.setdefault("untraced", {})["median_step_ms"] = step_medians["untraced"]
+    clocks = None
+    if sampler is not None:
+        clocks = _full_clock_summary(sampler, args.clocks, variants, pass_steps, summary)
     if args.json:
-        Path(args.json).write_text(json.dumps({"mode": args.mode, "summary": summary, "stats": stats}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"mode": args.mode, "summary": summary, "stats": stats, "pass_steps": pass_steps, "clocks": clocks},
+                indent=None,
+            )
+        )
     if args.no_profile:
         return
     t = tracer.start(tempfile.mkdtemp(), export_env=False)
@@ -362,6 +407,109 @@ def main() -> None:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumtime").print_callees("tracer/(ring|capture|hooks).py")
     print(out.getvalue()[:12000])
+
+
+def _host_now() -> dict[str, int]:
+    """The engine thread's context switches and CPU, and the host's steal time (Linux ``/proc``).
+
+    ``vol``: the thread blocked (a wait for the GIL is a futex wait); ``invol``: it was preempted
+    (another thread or process wanted its CPU); ``steal_ticks``: time the hypervisor gave the
+    VM's CPUs to someone else; ``cpu``: the CPU the thread is on.
+    """
+    out = {"vol": -1, "invol": -1, "steal_ticks": -1, "cpu": -1}
+    try:
+        for line in Path("/proc/thread-self/status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                out["vol"] = int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                out["invol"] = int(line.split()[1])
+        stat = Path("/proc/thread-self/stat").read_text()
+        out["cpu"] = int(stat[stat.rindex(")") + 2 :].split()[36])
+        out["steal_ticks"] = int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8])
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _start_sampler(path: str):
+    """The SM-clock sampler (``benchmarks/gpu_clocks.py``), a process of its own, appending to ``path``."""
+    import subprocess
+    import sys
+
+    Path(path).unlink(missing_ok=True)
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_clocks.py"
+    return subprocess.Popen([sys.executable, str(script), path, "--period-ms", "20"])
+
+
+#: Rounds in which a pass has fewer steps than this at full clock are left out of the full-clock pairs.
+MIN_FULL_STEPS = 20
+
+
+def _full_clock_summary(sampler, path: str, variants: list[str], pass_steps: dict, summary: dict) -> dict:
+    """Stop the sampler; each pass's share of steps at full clock and its median full-clock step, paired.
+
+    The tracer's cost is CPU time on the engine's thread; where the GPU runs at full clock the step is
+    launch-bound and pays it in full, so the ratio of full-clock steps is the tracer's cost at its worst.
+    The share of steps at full clock, per variant, says whether tracing moves the clock itself.
+    """
+    import signal
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from gpu_clocks import FULL_CLOCK_SHARE, full_clock_steps, load_samples, step_clocks
+
+    sampler.send_signal(signal.SIGTERM)
+    sampler.wait(timeout=10)
+    samples = load_samples(Path(path))
+    if not samples:
+        print("no clock samples: the full-clock comparison is left out")
+        return {}
+    top = max(s[1] for s in samples)
+    hist: dict[int, int] = {}
+    reasons: dict[int, int] = {}
+    for s in samples:
+        hist[s[1]] = hist.get(s[1], 0) + 1
+        reasons[s[2]] = reasons.get(s[2], 0) + 1
+    print(f"\nSM clock: {len(samples)} samples, top {top} MHz; full clock: >= {FULL_CLOCK_SHARE:g} x top")
+    print("  MHz (samples): " + ", ".join(f"{k} ({v})" for k, v in sorted(hist.items(), key=lambda kv: -kv[1])[:12]))
+    print("  clock-event reasons (samples): " + ", ".join(f"{k:#x} ({v})" for k, v in sorted(reasons.items())))
+    per_pass: dict[str, list[dict]] = {}
+    for v in variants:
+        rows = []
+        for steps in pass_steps[v]:
+            clocks = step_clocks(steps, samples)
+            full = full_clock_steps(steps, clocks, top)
+            rows.append(
+                {
+                    "share_full": round(len(full) / max(len(steps), 1), 4),
+                    "median_full_ms": round(statistics.median(full) * 1e3, 4) if len(full) >= MIN_FULL_STEPS else None,
+                    "clocks": clocks,
+                }
+            )
+        per_pass[v] = rows
+    print("steps at full clock, each pass's median full-clock step paired with the untraced pass of its round:")
+    for v in variants:
+        shares = [r["share_full"] for r in per_pass[v]]
+        line = f"  {v:22s} share of steps at full clock: median {statistics.median(shares):.3f}"
+        meds = [r["median_full_ms"] for r in per_pass[v] if r["median_full_ms"] is not None]
+        if meds:
+            line += f"; median full-clock step {statistics.median(meds):.3f} ms over {len(meds)} passes"
+        if v != "untraced" and "untraced" in per_pass:
+            ratios = [
+                t["median_full_ms"] / u["median_full_ms"]
+                for t, u in zip(per_pass[v], per_pass["untraced"], strict=True)
+                if t["median_full_ms"] and u["median_full_ms"]
+            ]
+            if len(ratios) > 1:
+                geo, low, high = paired_interval(ratios)
+                summary[v]["x_untraced_full_clock_step_geomean"] = geo
+                summary[v]["x_untraced_full_clock_step_geomean_95"] = [low, high]
+                line += (
+                    f"\n  {'':22s} x untraced {_x(geo)}, 95% interval [{_x(low)}, {_x(high)}] over {len(ratios)} "
+                    f"rounds; >= 0.97x shown: {_shown(high)}"
+                )
+        print(line)
+    return {"top_mhz": top, "histogram": hist, "per_pass": per_pass}
 
 
 def _check_trace(directory: str) -> dict[str, int]:

@@ -49,6 +49,7 @@ import types
 from typing import Any
 
 from tracer import wrappers
+from tracer.affinity import affinity_apart, cpus_apart, current_cpu, move_to
 from tracer.capture import forget_plans, layer_fields, queue_host_copies, read_columns, step_fields, tensor_clones
 from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
 from tracer.manifest import import_attr
@@ -138,6 +139,7 @@ class Tracer:
         #: first step is handed over on CUDA; None: the engine's thread records each step's event
         self._event_stream: tuple[Any, int] | None = None
         self._events_on_writer = events_on_writer()
+        self._affinity_apart = affinity_apart()
         self._ring_slots = ring_slots
         self._throttle = throttle
         self._thread: WriterThread | None = None
@@ -237,6 +239,28 @@ class Tracer:
                 self._env_backup = {}
                 _ACTIVE = None
                 atexit.unregister(self._atexit)
+
+    def _place_apart(self) -> None:
+        """``PAGEDTRACE_AFFINITY=apart``: the writer thread and record process off this (the engine's) thread's core.
+
+        Called on the engine's thread at the model runner's first call (``tracer.affinity``); the
+        ``stats["cpus_apart"]``: how many CPUs they were given (absent: nothing was moved).
+        """
+        if not self._affinity_apart or self._thread is None:
+            return
+        try:
+            allowed = os.sched_getaffinity(0)
+        except (AttributeError, OSError):  # not Linux
+            return
+        cpus = cpus_apart(allowed, current_cpu())
+        if cpus is None:
+            return
+        ids = [self._thread.native_id]
+        pid = self._sink.records_out.pid if self._sink.records_out is not None else None
+        if pid is not None:
+            ids.append(pid)
+        if move_to([i for i in ids if i is not None], cpus):
+            self.stats["cpus_apart"] = len(cpus)
 
     def drain(self) -> None:
         """Wait until every step so far is on disk (tests, and readers of a live trace)."""

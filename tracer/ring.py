@@ -248,6 +248,11 @@ class WriterThread:
         self._thread = threading.Thread(target=self._run, name="pagedtrace-writer", daemon=True)
         self._thread.start()
 
+    @property
+    def native_id(self) -> int | None:
+        """The thread's id for the OS (``tracer.affinity``), once it runs."""
+        return self._thread.native_id
+
     def submit(self, slot: Slot) -> None:
         self._queue.put(slot)
 
