@@ -29,6 +29,7 @@ takes on CUDA (one packed copy), less the pinning and the CUDA event.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -123,18 +124,38 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
     return traced_step, t
 
 
-def _pass(args: argparse.Namespace, traced: bool) -> float:
-    """Seconds per step of one pass (a fresh tracer each traced pass, warmed up untimed)."""
+def _blocked() -> int:
+    """How often the calling thread has blocked so far (Linux: ``voluntary_ctxt_switches``; else 0).
+
+    A thread that waits for the GIL another thread holds sleeps on it: each wait is one.
+    """
+    try:
+        for line in Path("/proc/thread-self/status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _pass(args: argparse.Namespace, traced: bool, blocked: list[float] | None = None) -> float:
+    """Seconds per step of one pass (a fresh tracer each traced pass, warmed up untimed).
+
+    ``blocked``: gets the times the engine's thread blocked per step.
+    """
     directory = tempfile.mkdtemp(prefix="pagedtrace-hot-") if traced else None
     step, t = _fake_engine(args, directory)
     for _ in range(20):
         step()
     if t is not None:
         t.drain()
+    b0 = _blocked()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
     seconds = (time.perf_counter() - t0) / args.steps
+    if blocked is not None:
+        blocked.append((_blocked() - b0) / args.steps)
     if t is not None:
         t.drain()
         t._thread.close()
@@ -231,24 +252,46 @@ def main() -> None:
     ap.add_argument("--reqs", type=int, default=32)
     ap.add_argument("--context", type=int, default=360)
     ap.add_argument("--trace-layers", default="first", help="what the tracer records (--layers of pagedtrace run)")
+    ap.add_argument(
+        "--writers",
+        default="process,inline",
+        help="PAGEDTRACE_WRITER settings to time against untraced (process, thread, inline)",
+    )
     args = ap.parse_args()
     from tracer.format import parse_layers
 
     args.trace_layers = parse_layers(args.trace_layers)
-    untraced, traced = [], []
+    writers = [w for w in args.writers.split(",") if w]
+    kinds = ["untraced", *writers]
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    blocked: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.rounds):
-        for kind in ("untraced", "traced") if r % 2 == 0 else ("traced", "untraced"):
-            (traced if kind == "traced" else untraced).append(_pass(args, kind == "traced"))
-    u, t = statistics.median(untraced), statistics.median(traced)
-    paired = statistics.median(b - a for a, b in zip(untraced, traced, strict=True))
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # rotated: drift cancels
+            if kind != "untraced":
+                os.environ["PAGEDTRACE_WRITER"] = kind
+            times[kind].append(_pass(args, kind != "untraced", blocked[kind]))
+            os.environ.pop("PAGEDTRACE_WRITER", None)
     print(
         f"{args.layers} layers, {args.ops} ops per layer, {args.reqs} requests of {args.context} tokens, "
         f"tracer layers={args.trace_layers!r}, {args.rounds} rounds of {args.steps} steps"
     )
-    print(f"untraced {u * 1e3:.3f} ms/step   traced {t * 1e3:.3f} ms/step")
-    print(f"tracer: {(t - u) * 1e6:+.1f} us/step (paired median {paired * 1e6:+.1f} us), {t / u:.3f}x")
-    cpu = statistics.median(tracer_cpu_per_step(args) for _ in range(3))
-    print(f"tracer CPU on the engine's thread: {cpu * 1e6:.1f} us/step (median of 3 x 1000 steps, time.thread_time)")
+    u = statistics.median(times["untraced"])
+    print(f"untraced {u * 1e3:.3f} ms/step, engine thread blocked {statistics.median(blocked['untraced']):.2f}/step")
+    for w in writers:
+        t = statistics.median(times[w])
+        paired = statistics.median(b - a for a, b in zip(times["untraced"], times[w], strict=True))
+        print(
+            f"writer {w:8s} {t * 1e3:.3f} ms/step: {(t - u) * 1e6:+.1f} us/step (paired median "
+            f"{paired * 1e6:+.1f} us), {t / u:.3f}x; engine thread blocked {statistics.median(blocked[w]):.2f}/step"
+        )
+    for w in writers:
+        os.environ["PAGEDTRACE_WRITER"] = w
+        cpu = statistics.median(tracer_cpu_per_step(args) for _ in range(3))
+        os.environ.pop("PAGEDTRACE_WRITER", None)
+        print(
+            f"writer {w:8s} tracer CPU on the engine's thread: {cpu * 1e6:.1f} us/step (median of 3 x 1000 steps, "
+            "time.thread_time)"
+        )
     calls = torch_calls_per_step(args)
     listed = ", ".join(f"{name} {n:g}" for name, n in calls.items())
     print(f"torch calls on the engine's thread per step (median): {sum(calls.values()):g} ({listed})")

@@ -12,8 +12,8 @@ round so drift cancels. Variants:
 * ``metadata-spin``   the same, events busy-waited (``PAGEDTRACE_EVENT_WAIT=spin``; the old tracer)
 * ``metadata-writerevent`` the same, each step's event recorded by the writer thread
                       (``PAGEDTRACE_EVENT_ON=writer``): one CUDA call less on the engine's thread
-* ``metadata-apart``  the same, its writer thread and record writer process kept off the engine
-                      thread's core (``PAGEDTRACE_AFFINITY=apart``, ``tracer.affinity``)
+* ``metadata-inline`` the same, each slot handed to the record writer process on the engine's own
+                      thread, no writer thread (``PAGEDTRACE_WRITER=inline``, ``tracer.ring.InlineWriter``)
 * ``metadata-parts``  the metadata tracer, each piece of its engine-thread work timed apart
 * ``metadata-nowriter`` the writer thread does nothing with a slot (records lost): the engine's share alone
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
@@ -209,9 +209,10 @@ def main() -> None:
             s, tok = timed(bs)
             return s, tok, {"gc_s": round(gc_pause[0], 4), **step_stats()}
         os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
-        os.environ["PAGEDTRACE_WRITER"] = "thread" if variant == "metadata-thread" else "process"
+        os.environ["PAGEDTRACE_WRITER"] = {"metadata-thread": "thread", "metadata-inline": "inline"}.get(
+            variant, "process"
+        )
         os.environ["PAGEDTRACE_EVENT_ON"] = "writer" if variant == "metadata-writerevent" else "engine"
-        os.environ["PAGEDTRACE_AFFINITY"] = "apart" if variant.endswith("-apart") else "any"
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
         kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}
@@ -274,7 +275,6 @@ def main() -> None:
         os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
         os.environ.pop("PAGEDTRACE_WRITER", None)
         os.environ.pop("PAGEDTRACE_EVENT_ON", None)
-        os.environ.pop("PAGEDTRACE_AFFINITY", None)
         if variant.startswith("metadata") and variant != "metadata-nowriter":
             acct["check"] = _check_trace(directory)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)

@@ -204,7 +204,7 @@ def test_the_writer_thread_leaves_the_views_to_its_handler():
     assert not slot.view_makers  # released: nothing left for the slot's next step
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", ["thread", "process", "inline"])
 def test_packed_steps_write_what_separate_copies_write(tmp_path, monkeypatch, mode):
     """Through the real writer (thread, or the record writer process): the packed path, as on CUDA."""
     import tracer.hooks

@@ -15,6 +15,7 @@ from tests.test_hooks import _fake_step_engine
 from tracer.format import Trace
 from tracer.hooks import Tracer
 from tracer.options import TracerOptions
+from tracer.ring import InlineWriter, WriterThread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,10 +41,11 @@ def _engine(tmp_path, monkeypatch, mode: str):
     return t
 
 
-@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("mode", ["process", "thread", "inline"])
 def test_a_drained_step_is_on_disk(tmp_path, monkeypatch, mode):
     t = _engine(tmp_path, monkeypatch, mode)
-    assert (t._sink.records_out is not None) == (mode == "process")
+    assert (t._sink.records_out is not None) == (mode != "thread")
+    assert isinstance(t._thread, InlineWriter) == (mode == "inline")
     _steps(t, 2)
     t.drain()
     assert len((tmp_path / "trace" / "steps.jsonl").read_text().splitlines()) == 2
@@ -54,7 +56,7 @@ def test_a_drained_step_is_on_disk(tmp_path, monkeypatch, mode):
 
 def test_the_process_writes_what_the_thread_writes(tmp_path, monkeypatch):
     lines = {}
-    for mode in ("thread", "process"):
+    for mode in ("thread", "process", "inline"):
         t = _engine(tmp_path / mode, monkeypatch, mode)
         _steps(t, 4, gap_at=2)
         t._thread.close()
@@ -63,18 +65,23 @@ def test_the_process_writes_what_the_thread_writes(tmp_path, monkeypatch):
         lines[mode] = (tmp_path / mode / "trace" / "steps.jsonl").read_text()
         trace = Trace.open(tmp_path / mode / "trace")
         assert len(trace.records) == 4 and len(trace.gaps) == 1 and trace.run.extra["finished"] is True
-    assert lines["process"] == lines["thread"]
+    assert lines["process"] == lines["thread"] == lines["inline"]
 
 
 def test_a_bad_writer_setting_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDTRACE_WRITER", "elsewhere")
-    with pytest.raises(ValueError, match=r"^PAGEDTRACE_WRITER='elsewhere': expected 'process' or 'thread'$"):
+    with pytest.raises(
+        ValueError, match=r"^PAGEDTRACE_WRITER='elsewhere': expected 'process' or 'thread' or 'inline'$"
+    ):
         Tracer(TracerOptions(str(tmp_path / "t")))
 
 
-def test_a_tensor_trace_keeps_the_thread(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDTRACE_WRITER", "process")
-    assert Tracer(TracerOptions(str(tmp_path / "t"), tensors=True))._sink.records_out is None
+@pytest.mark.parametrize("mode", ["process", "inline"])
+def test_a_tensor_trace_keeps_the_thread(tmp_path, monkeypatch, mode):
+    monkeypatch.setenv("PAGEDTRACE_WRITER", mode)
+    t = Tracer(TracerOptions(str(tmp_path / "t"), tensors=True))
+    assert t._sink.records_out is None and not t._sink.inline
+    assert isinstance(t._writer_thread(), WriterThread)
 
 
 def test_a_writer_process_that_dies_stops_the_trace_in_one_line(tmp_path, monkeypatch):
@@ -234,3 +241,21 @@ def test_a_layers_fields_sent_once_then_its_scales_give_every_record_what_the_th
     assert lines["process"] == lines["thread"]
     scales = [json.loads(line)["k_scale"] for line in lines["process"]]
     assert scales == ([0.5, 0.5, 0.75, 0.75] if calculate else [0.5] * 4)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="F_SETPIPE_SZ is Linux's")
+def test_the_pipe_to_the_process_holds_a_mebibyte(tmp_path, monkeypatch):
+    """A send does not wait for the child to have read the previous message (64 KiB held one or two)."""
+    import fcntl
+
+    from tracer.writer_process import PIPE_BYTES
+
+    if int(Path("/proc/sys/fs/pipe-max-size").read_text()) < PIPE_BYTES:
+        pytest.skip("this kernel lets a pipe hold less")
+    t = _engine(tmp_path, monkeypatch, "process")
+    _steps(t, 1)
+    t.drain()
+    stdin = t._sink.records_out._proc.stdin
+    assert fcntl.fcntl(stdin.fileno(), getattr(fcntl, "F_GETPIPE_SZ", 1032)) == PIPE_BYTES
+    t._thread.close()
+    t._sink.finish()

@@ -49,13 +49,21 @@ import types
 from typing import Any
 
 from tracer import wrappers
-from tracer.affinity import affinity_apart, cpus_apart, current_cpu, move_to
 from tracer.capture import forget_plans, layer_fields, queue_host_copies, read_columns, step_fields, tensor_clones
 from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
 from tracer.manifest import import_attr
 from tracer.options import TracerOptions
 from tracer.pending import LayerCapture, LayerStatic, capture_scales, dtype_name
-from tracer.ring import Slot, SlotPool, WriterThread, event_blocking, events_on_writer, leave_event, record_event
+from tracer.ring import (
+    InlineWriter,
+    Slot,
+    SlotPool,
+    WriterThread,
+    event_blocking,
+    events_on_writer,
+    leave_event,
+    record_event,
+)
 from tracer.runtime import capturing, cuda_available, is_warmup_batch
 from tracer.sink import TraceSink
 from tracer.staging import SHARED as GRAPH_STAGING
@@ -139,10 +147,9 @@ class Tracer:
         #: first step is handed over on CUDA; None: the engine's thread records each step's event
         self._event_stream: tuple[Any, int] | None = None
         self._events_on_writer = events_on_writer()
-        self._affinity_apart = affinity_apart()
         self._ring_slots = ring_slots
         self._throttle = throttle
-        self._thread: WriterThread | None = None
+        self._thread: WriterThread | InlineWriter | None = None
         self._slot: Slot | None = None  # the step being filled
         self._log_valid: dict[str, bool] = {}  # layer -> every write since its last tensor step is logged
         self._logged_now: set[str] = set()
@@ -200,8 +207,20 @@ class Tracer:
         atexit.register(self._atexit)
         return self
 
-    def _writer_thread(self) -> WriterThread:
-        """The writer thread; it also sends a metadata trace's records to their process (``TraceSink.send_records``)."""
+    def _writer_thread(self) -> WriterThread | InlineWriter:
+        """The writer thread; it also sends a metadata trace's records to their process (``TraceSink.send_records``).
+
+        ``PAGEDTRACE_WRITER=inline`` (a trace without tensors): no thread, the engine's own hands
+        the slots over at each step's end (``tracer.ring.InlineWriter``).
+        """
+        if self._sink.inline:
+            return InlineWriter(
+                self._pool,
+                self._sink.handle_slot,
+                self._on_writer_error,
+                throttle=self._throttle,
+                end=self._sink.send_records,
+            )
         return WriterThread(
             self._pool,
             self._sink.handle_slot,
@@ -239,28 +258,6 @@ class Tracer:
                 self._env_backup = {}
                 _ACTIVE = None
                 atexit.unregister(self._atexit)
-
-    def _place_apart(self) -> None:
-        """``PAGEDTRACE_AFFINITY=apart``: the writer thread and record process off this (the engine's) thread's core.
-
-        Called on the engine's thread at the model runner's first call (``tracer.affinity``); the
-        ``stats["cpus_apart"]``: how many CPUs they were given (absent: nothing was moved).
-        """
-        if not self._affinity_apart or self._thread is None:
-            return
-        try:
-            allowed = os.sched_getaffinity(0)
-        except (AttributeError, OSError):  # not Linux
-            return
-        cpus = cpus_apart(allowed, current_cpu())
-        if cpus is None:
-            return
-        ids = [self._thread.native_id]
-        pid = self._sink.records_out.pid if self._sink.records_out is not None else None
-        if pid is not None:
-            ids.append(pid)
-        if move_to([i for i in ids if i is not None], cpus):
-            self.stats["cpus_apart"] = len(cpus)
 
     def drain(self) -> None:
         """Wait until every step so far is on disk (tests, and readers of a live trace)."""
@@ -678,7 +675,7 @@ class Tracer:
                     "tracing stops, the engine runs on"
                 )
                 return
-            if self._events_on_writer and cuda_available():
+            if self._events_on_writer and not self._sink.inline and cuda_available():
                 if self._event_stream is None:
                     import torch
 
@@ -697,6 +694,8 @@ class Tracer:
     def _step_slot(self) -> Slot:
         """This step's ring slot, taken on its first record (waits while every slot is in flight)."""
         if self._slot is None:
+            if self._thread is not None and not self._pool.has_free():
+                self._thread.make_room()  # inline: hand the oldest over (a thread frees slots itself)
             self._slot = self._pool.acquire()
             self._slot.payload = {"captures": [], "hosts": {}}
         return self._slot

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from tracer.options import env_choice
 __all__ = [
     "ENV_EVENT_ON",
     "ENV_EVENT_WAIT",
+    "InlineWriter",
     "Slot",
     "SlotPool",
     "WriterThread",
@@ -147,6 +149,10 @@ class SlotPool:
                 self._cond.wait()
             return self._free.pop()
 
+    def has_free(self) -> bool:
+        """A slot is free now (``acquire`` would not wait for one)."""
+        return bool(self._free)
+
     def hold(self, slot: Slot, nbytes: int) -> None:
         """Count ``nbytes`` of device memory against the pool until ``slot`` is released."""
         with self._cond:
@@ -215,6 +221,86 @@ def record_event(slot: Slot, on_cuda: bool, *, blocking: bool = True) -> None:
     slot.recorded = True
 
 
+class InlineWriter:
+    """The writer's work on the engine's own thread, at each step's end: no second Python thread.
+
+    ``PAGEDTRACE_WRITER=inline`` (a trace without tensors; the records are built and written
+    by the record writer process, ``tracer.writer_process``). Why: with a writer thread the two
+    threads hand the GIL to each other several times a step, and each time the engine's thread
+    sleeps on the GIL until the writer lets it go. On the H200 its thread blocked ~450 times a
+    192-step PIECEWISE pass with the writer thread, 4-5 times untraced
+    (``scripts/h200_overhead_probe.py``, ``host.vol``); a blocked thread waits for the writer's
+    turn and for the OS to wake it. Here nothing else wants the GIL: the engine's thread pays the
+    hand-over itself (``handle`` and ``end``: the message to the record process, tens of µs) and
+    never sleeps for it.
+
+    :meth:`submit` queues the step's slot, then hands over, oldest first, every queued slot whose
+    event has fired (``Event.query``: no wait); a slot whose copies are still running waits for a
+    later step. :meth:`make_room` (a step found no free slot), :meth:`drain` and :meth:`close`
+    wait for the events. A slot's records therefore reach the record process a step or so late,
+    and the last step's at the next step or at ``drain`` / ``stop``. Same interface as
+    :class:`WriterThread`; ``throttle`` (tests) sleeps on the engine's thread.
+    """
+
+    def __init__(
+        self,
+        pool: SlotPool,
+        handle: Callable[[Slot], None],
+        on_error: Callable[[BaseException], None],
+        *,
+        throttle: float = 0.0,
+        end: Callable[[], None] | None = None,
+    ):
+        self.pool = pool
+        self._handle = handle
+        self._end = end
+        self._on_error = on_error
+        self._pending: deque[Slot] = deque()
+        self._failed = False
+        self.throttle = throttle
+
+    def submit(self, slot: Slot) -> None:
+        self._pending.append(slot)
+        pending = self._pending
+        while pending:
+            first = pending[0]
+            if first.recorded and first.event is not None and not first.event.query():
+                return  # its copies are still running: a later step hands it over
+            self._finish(pending.popleft(), fired=True)
+
+    def make_room(self) -> None:
+        """Hand over the oldest queued slot, waiting for its event: a step found every slot in flight."""
+        if self._pending:
+            self.pool.waits += 1
+            self._finish(self._pending.popleft())
+
+    def drain(self) -> None:
+        """Hand over every queued slot (waits for their events)."""
+        while self._pending:
+            self._finish(self._pending.popleft())
+
+    def close(self) -> None:
+        self.drain()
+
+    def _finish(self, slot: Slot, *, fired: bool = False) -> None:
+        """Hand ``slot`` over (``fired``: its event is known to have fired), then free it."""
+        if self.throttle:
+            import time
+
+            time.sleep(self.throttle)
+        if not self._failed:
+            try:
+                if not fired and slot.event is not None and slot.recorded:
+                    slot.event.synchronize()
+                self._handle(slot)
+                if self._end is not None:
+                    self._end()
+            except BaseException as exc:  # noqa: BLE001 - the engine must run on
+                self._failed = True
+                self._on_error(exc)
+        self.pool.release(slot)
+
+
 class WriterThread:
     """Drains slots in order: waits for each one's event, then ``handle(slot)``, then frees it.
 
@@ -248,10 +334,8 @@ class WriterThread:
         self._thread = threading.Thread(target=self._run, name="pagedtrace-writer", daemon=True)
         self._thread.start()
 
-    @property
-    def native_id(self) -> int | None:
-        """The thread's id for the OS (``tracer.affinity``), once it runs."""
-        return self._thread.native_id
+    def make_room(self) -> None:
+        """Nothing: this thread frees the slots (a step that found none free waits in ``SlotPool.acquire``)."""
 
     def submit(self, slot: Slot) -> None:
         self._queue.put(slot)

@@ -54,7 +54,11 @@ class TraceSink:
         self.blocking_events = True  #: the tracer's ``PAGEDTRACE_EVENT_WAIT`` choice
         #: Without tensors the records are built and written by a process of their own (off the
         #: engine's GIL: ``tracer.writer_process``), unless ``PAGEDTRACE_WRITER=thread``.
-        self.records_out = RecordProcess(self.directory) if not options.tensors and writer_mode() == "process" else None
+        mode = writer_mode()
+        self.records_out = RecordProcess(self.directory) if not options.tensors and mode != "thread" else None
+        #: ``PAGEDTRACE_WRITER=inline``: the engine's thread hands each slot to the record process
+        #: (``tracer.ring.InlineWriter``); a tensor trace keeps its writer thread
+        self.inline = mode == "inline" and self.records_out is not None
         self._outgoing: tuple[list[Any], list[Any]] = ([], [])  # the next message: (hosts, items)
         self._layers_sent: dict[str, tuple[Any, ...]] = {}  # layer -> LayerCapture.layer_key() last sent
 
@@ -123,7 +127,7 @@ class TraceSink:
             self.records_out.start()
         except OSError as exc:
             logger.warning(
-                "pagedtrace: cannot start the record writer process (%s); the writer thread writes them", exc
+                "pagedtrace: cannot start the record writer process (%s); this process writes the records", exc
             )
             self.records_out = None
 

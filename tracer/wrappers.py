@@ -55,7 +55,6 @@ def runner(tracer: Tracer, method: str):
                 # This process runs the model (vLLM's front end and engine core never get here):
                 # start the record writer process now, at the profile run, before any request step.
                 tracer._sink.start()
-                tracer._place_apart()
             tracer._runner = runner
             tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
             tracer._sink.vllm_config = tracer._vllm_config

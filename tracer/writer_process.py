@@ -25,7 +25,9 @@ once everything it got is on disk. A write error ends it early: its one line goe
 and the tracer reports it (``RecordProcess.close``).
 
 ``PAGEDTRACE_WRITER=thread`` keeps the records on the writer thread (the child is only used
-for traces without tensors: tensor steps copy from the device on the writer thread).
+for traces without tensors: tensor steps copy from the device on the writer thread);
+``PAGEDTRACE_WRITER=inline`` hands each slot to the child on the engine's own thread, with no
+writer thread (``tracer.ring.InlineWriter``).
 
     python -m tracer.writer_process --detach      (started by RecordProcess, not by hand)
 
@@ -68,8 +70,12 @@ DONE = b"pagedtrace-writer done\n"
 
 
 def writer_mode() -> str:
-    """``PAGEDTRACE_WRITER``: ``process`` (default) or ``thread``; anything else is a one-line ValueError."""
-    return env_choice(ENV_WRITER, ("process", "thread"))
+    """``PAGEDTRACE_WRITER``: ``process`` (default), ``thread`` or ``inline``; anything else is a one-line ValueError.
+
+    ``inline``: the records are built by the process, as with ``process``, and each slot is handed
+    to it on the engine's own thread instead of a writer thread's (``tracer.ring.InlineWriter``).
+    """
+    return env_choice(ENV_WRITER, ("process", "thread", "inline"))
 
 
 #: Host dtypes as ``numpy`` dtype strings, without asking numpy (``tracer.capture.Packed.like``).
@@ -210,7 +216,27 @@ class RecordProcess:
                 proc.stdin.close()  # type: ignore[union-attr]
             raise OSError(f"the record writer process did not start (it said {first[:200]!r})")
         self.pid = int(first[len(STARTED) :])
+        _grow_pipe(proc.stdin)
         self._proc = proc
+
+
+#: The pipe to the child holds this many bytes (Linux ``F_SETPIPE_SZ``; its default is 64 KiB, and
+#: 1 MiB is what an unprivileged process may ask for, ``/proc/sys/fs/pipe-max-size``).
+PIPE_BYTES = 1 << 20
+
+
+def _grow_pipe(stream: Any) -> None:
+    """Let the pipe hold :data:`PIPE_BYTES`, so that a send does not wait for the child to read the last.
+
+    A metadata step's message is tens of KiB (the runner's block table as it gave it, every
+    column); with 64 KiB a send waited whenever the child was still on the previous message,
+    ~0.2 ms on the CPU stand-in (``benchmarks/hot_path.py``), on the sender's thread. Where the
+    kernel says no (not Linux, or a lower limit), the pipe stays as it is.
+    """
+    import fcntl
+
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        fcntl.fcntl(stream.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
 
 
 def _read_exact(stream: Any, n: int) -> bytes | None:

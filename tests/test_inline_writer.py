@@ -1,0 +1,111 @@
+"""``PAGEDTRACE_WRITER=inline``: the engine's own thread hands each slot to the record process.
+
+``tracer.ring.InlineWriter`` has no thread: at each step's end it hands over, oldest first, every
+slot whose CUDA event has fired, and leaves the rest for a later step. The event is stood in for
+here (a CPU machine has none); the H200 probe runs the real one (``--variants metadata-inline``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.test_writer_process import _engine, _steps
+from tracer.format import Trace
+from tracer.ring import InlineWriter, Slot, SlotPool
+
+
+class _Event:
+    """A CUDA event stand-in: fired or not, and what was asked of it."""
+
+    def __init__(self, log: list, name: int):
+        self.fired = False
+        self.log, self.name = log, name
+
+    def query(self) -> bool:
+        self.log.append(("query", self.name))
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+        self.fired = True
+
+
+def _step(pool: SlotPool, writer: InlineWriter, log: list, i: int) -> Slot:
+    """One step's slot with a recorded (not yet fired) event, handed to ``writer``."""
+    if not pool.has_free():
+        writer.make_room()
+    slot = pool.acquire()
+    slot.payload = i
+    slot.event, slot.recorded = _Event(log, i), True
+    writer.submit(slot)
+    return slot
+
+
+def test_a_slot_is_handed_over_once_its_event_fired_oldest_first_on_this_thread():
+    pool, log, handled = SlotPool(8), [], []
+    writer = InlineWriter(pool, lambda slot: handled.append((slot.payload, threading.get_ident())), log.append)
+    first = _step(pool, writer, log, 0)
+    assert handled == [] and log == [("query", 0)]  # its copies still run: nothing waited for
+    second = _step(pool, writer, log, 1)
+    assert handled == [] and log[-1] == ("query", 0)  # the oldest first: 1 is not asked before 0
+    second.event.fired = True
+    first.event.fired = True
+    _step(pool, writer, log, 2)
+    assert [p for p, _ in handled] == [0, 1]  # both fired: handed over in order; 2 waits
+    assert {tid for _, tid in handled} == {threading.get_ident()}
+    assert not any(call[0] == "wait" for call in log)  # no step waited for the device
+    writer.drain()
+    assert [p for p, _ in handled] == [0, 1, 2] and log[-1] == ("wait", 2)
+    assert pool.has_free() and len(pool._free) == 8
+
+
+def test_a_step_that_finds_every_slot_in_flight_hands_the_oldest_over_and_loses_none():
+    pool, log, handled = SlotPool(2), [], []
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append)
+    for i in range(7):  # no event ever fires by itself: every slot is freed by make_room
+        _step(pool, writer, log, i)
+    writer.close()
+    assert handled == list(range(7))
+    assert pool.waits == 5  # steps 2..6 each waited for the oldest slot's event
+    assert [c for c in log if c[0] == "wait"] == [("wait", i) for i in range(7)]
+
+
+def test_a_slow_disk_slows_the_step_and_loses_nothing(tmp_path, monkeypatch):
+    """The ring's promise with the writer on the engine's thread: ``PAGEDTRACE_WRITER_THROTTLE_S``."""
+    monkeypatch.setenv("PAGEDTRACE_WRITER_THROTTLE_S", "0.01")
+    monkeypatch.setenv("PAGEDTRACE_RING_SLOTS", "2")
+    t = _engine(tmp_path, monkeypatch, "inline")
+    assert isinstance(t._thread, InlineWriter) and t._thread.throttle == 0.01
+    _steps(t, 6)
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is None
+    trace = Trace.open(tmp_path / "trace")
+    assert [r.step for r in trace.records] == list(range(6))
+
+
+def test_a_failing_hand_over_is_reported_once_and_frees_every_slot():
+    pool, errors = SlotPool(2), []
+
+    def handle(slot: Slot) -> None:
+        raise OSError("pipe closed")
+
+    writer = InlineWriter(pool, handle, errors.append)
+    for i in range(5):
+        slot = pool.acquire()  # would never come back were failed slots kept
+        slot.payload = i
+        writer.submit(slot)  # no event (a CPU engine): handed over at once
+    writer.close()
+    assert len(errors) == 1 and "pipe closed" in str(errors[0])
+    assert len(pool._free) == 2
+
+
+@pytest.mark.parametrize("mode", ["inline"])
+def test_stop_hands_over_the_last_steps(tmp_path, monkeypatch, mode):
+    t = _engine(tmp_path, monkeypatch, mode)
+    _steps(t, 3)
+    t._thread.close()  # what stop() does: the slots still queued are handed over
+    t._sink.finish()
+    assert len(Trace.open(tmp_path / "trace").records) == 3
