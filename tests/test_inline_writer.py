@@ -8,6 +8,7 @@ here (a CPU machine has none); the H200 probe runs the real one (``--variants me
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -45,7 +46,9 @@ def _step(pool: SlotPool, writer: InlineWriter, log: list, i: int) -> Slot:
 
 def test_a_slot_is_handed_over_once_its_event_fired_oldest_first_on_this_thread():
     pool, log, handled = SlotPool(8), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append((slot.payload, threading.get_ident())), log.append)
+    writer = InlineWriter(
+        pool, lambda slot: handled.append((slot.payload, threading.get_ident())), log.append, idle_s=0
+    )  # no idle thread: every hand-over here is a step's
     first = _step(pool, writer, log, 0)
     assert handled == [] and log == [("query", 0)]  # its copies still run: nothing waited for
     second = _step(pool, writer, log, 1)
@@ -63,7 +66,7 @@ def test_a_slot_is_handed_over_once_its_event_fired_oldest_first_on_this_thread(
 
 def test_a_step_that_finds_every_slot_in_flight_hands_the_oldest_over_and_loses_none():
     pool, log, handled = SlotPool(2), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append)
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0)
     for i in range(7):  # no event ever fires by itself: every slot is freed by make_room
         _step(pool, writer, log, i)
     writer.close()
@@ -92,7 +95,7 @@ def test_a_failing_hand_over_is_reported_once_and_frees_every_slot():
     def handle(slot: Slot) -> None:
         raise OSError("pipe closed")
 
-    writer = InlineWriter(pool, handle, errors.append)
+    writer = InlineWriter(pool, handle, errors.append, idle_s=0)
     for i in range(5):
         slot = pool.acquire()  # would never come back were failed slots kept
         slot.payload = i
@@ -109,3 +112,42 @@ def test_stop_hands_over_the_last_steps(tmp_path, monkeypatch, mode):
     t._thread.close()  # what stop() does: the slots still queued are handed over
     t._sink.finish()
     assert len(Trace.open(tmp_path / "trace").records) == 3
+
+
+def test_the_last_steps_before_the_engine_idles_are_handed_over_without_another_step():
+    pool, log, handled = SlotPool(8), [], []
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.02)
+    slot = _step(pool, writer, log, 0)
+    slot.event.fired = True  # the device finished; no step follows
+    deadline = time.monotonic() + 5
+    while not handled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handled == [0]
+    writer.close()
+
+
+def test_the_idle_thread_keeps_off_the_device_while_graphs_are_captured():
+    pool, log, handled = SlotPool(8), [], []
+    capturing = [True]
+    writer = InlineWriter(
+        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.01, busy=lambda: capturing[0]
+    )
+    _step(pool, writer, log, 0)
+    time.sleep(0.2)
+    assert handled == [] and log == [("query", 0)]  # only the step's own query: no wait, no hand-over
+    capturing[0] = False
+    writer.close()
+    assert handled == [0]
+
+
+def test_a_step_that_finds_the_idle_thread_handing_over_leaves_its_slot_queued():
+    pool, log, handled = SlotPool(8), [], []
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0)
+    with writer._lock:  # as while the idle thread hands over
+        slot = _step(pool, writer, log, 0)
+        slot.event.fired = True
+    assert handled == [] and log == []  # not even asked: the lock was taken
+    _step(pool, writer, log, 1)
+    assert handled == [0]
+    writer.close()
+    assert handled == [0, 1]

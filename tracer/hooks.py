@@ -220,6 +220,7 @@ class Tracer:
                 self._on_writer_error,
                 throttle=self._throttle,
                 end=self._sink.send_records,
+                busy=lambda: self._in_capture > 0 or capturing(),
             )
         return WriterThread(
             self._pool,

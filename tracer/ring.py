@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -221,8 +222,12 @@ def record_event(slot: Slot, on_cuda: bool, *, blocking: bool = True) -> None:
     slot.recorded = True
 
 
+#: ``InlineWriter``: after this many seconds without a step, its idle thread hands over what is queued.
+IDLE_S = 0.1
+
+
 class InlineWriter:
-    """The writer's work on the engine's own thread, at each step's end: no second Python thread.
+    """The writer's work on the engine's own thread, at each step's end: no writer thread.
 
     ``PAGEDTRACE_WRITER=inline`` (a trace without tensors; the records are built and written
     by the record writer process, ``tracer.writer_process``). Why: with a writer thread the two
@@ -230,16 +235,20 @@ class InlineWriter:
     sleeps on the GIL until the writer lets it go. On the H200 its thread blocked ~450 times a
     192-step PIECEWISE pass with the writer thread, 4-5 times untraced
     (``scripts/h200_overhead_probe.py``, ``host.vol``); a blocked thread waits for the writer's
-    turn and for the OS to wake it. Here nothing else wants the GIL: the engine's thread pays the
-    hand-over itself (``handle`` and ``end``: the message to the record process, tens of µs) and
-    never sleeps for it.
+    turn and for the OS to wake it. Here nothing else wants the GIL while steps run: the
+    engine's thread pays the hand-over itself (``handle`` and ``end``: the message to the record
+    process, tens of µs) and never sleeps for it.
 
     :meth:`submit` queues the step's slot, then hands over, oldest first, every queued slot whose
     event has fired (``Event.query``: no wait); a slot whose copies are still running waits for a
     later step. :meth:`make_room` (a step found no free slot), :meth:`drain` and :meth:`close`
-    wait for the events. A slot's records therefore reach the record process a step or so late,
-    and the last step's at the next step or at ``drain`` / ``stop``. Same interface as
-    :class:`WriterThread`; ``throttle`` (tests) sleeps on the engine's thread.
+    wait for the events. A slot's records therefore reach the record process a step or so late.
+    So that the last steps before the engine goes idle are not held until the next request, an
+    idle thread wakes every ``idle_s`` seconds (10 times a second by default, not once a step)
+    and, once no step has come for ``idle_s``, hands over what is queued. It keeps off the device
+    while ``busy()`` says so (the runner captures CUDA graphs). One lock keeps the two from
+    handing over at once; a step that finds it taken leaves its slot queued. Same interface as
+    :class:`WriterThread`; ``throttle`` (tests) sleeps on the thread that hands over.
     """
 
     def __init__(
@@ -250,43 +259,75 @@ class InlineWriter:
         *,
         throttle: float = 0.0,
         end: Callable[[], None] | None = None,
+        idle_s: float = IDLE_S,
+        busy: Callable[[], bool] = lambda: False,
     ):
         self.pool = pool
         self._handle = handle
         self._end = end
         self._on_error = on_error
-        self._pending: deque[Slot] = deque()
+        self._pending: deque[Slot] = deque()  # append / popleft are atomic: no lock to queue a slot
         self._failed = False
         self.throttle = throttle
+        self._lock = threading.Lock()  # held while slots are handed over
+        self._last = time.monotonic()  # the last step's submit
+        self._idle_s = idle_s
+        self._busy = busy
+        self._closed = threading.Event()
+        self._idle: threading.Thread | None = None
+        if idle_s > 0:
+            self._idle = threading.Thread(target=self._hand_over_when_idle, name="pagedtrace-idle", daemon=True)
+            self._idle.start()
 
     def submit(self, slot: Slot) -> None:
         self._pending.append(slot)
-        pending = self._pending
-        while pending:
-            first = pending[0]
-            if first.recorded and first.event is not None and not first.event.query():
-                return  # its copies are still running: a later step hands it over
-            self._finish(pending.popleft(), fired=True)
+        self._last = time.monotonic()
+        if not self._lock.acquire(blocking=False):
+            return  # the idle thread is handing over: a later step (or it) takes this one
+        try:
+            pending = self._pending
+            while pending:
+                first = pending[0]
+                if first.recorded and first.event is not None and not first.event.query():
+                    return  # its copies are still running: a later step hands it over
+                self._finish(pending.popleft(), fired=True)
+        finally:
+            self._lock.release()
 
     def make_room(self) -> None:
         """Hand over the oldest queued slot, waiting for its event: a step found every slot in flight."""
-        if self._pending:
-            self.pool.waits += 1
-            self._finish(self._pending.popleft())
+        with self._lock:
+            if self._pending:
+                self.pool.waits += 1
+                self._finish(self._pending.popleft())
 
     def drain(self) -> None:
         """Hand over every queued slot (waits for their events)."""
-        while self._pending:
-            self._finish(self._pending.popleft())
+        with self._lock:
+            while self._pending:
+                self._finish(self._pending.popleft())
 
     def close(self) -> None:
+        """End the idle thread, then hand over what is queued."""
+        self._closed.set()
+        if self._idle is not None and self._idle is not threading.current_thread():
+            self._idle.join()
         self.drain()
+
+    def _hand_over_when_idle(self) -> None:
+        while not self._closed.wait(self._idle_s):
+            if not self._pending or time.monotonic() - self._last < self._idle_s or self._busy():
+                continue
+            if self._lock.acquire(blocking=False):  # else a step is handing over right now
+                try:
+                    while self._pending and not self._busy():
+                        self._finish(self._pending.popleft())
+                finally:
+                    self._lock.release()
 
     def _finish(self, slot: Slot, *, fired: bool = False) -> None:
         """Hand ``slot`` over (``fired``: its event is known to have fired), then free it."""
         if self.throttle:
-            import time
-
             time.sleep(self.throttle)
         if not self._failed:
             try:
@@ -365,8 +406,6 @@ class WriterThread:
                 slot.set()
                 continue
             if self.throttle:
-                import time
-
                 time.sleep(self.throttle)
             if not self._failed:
                 try:
