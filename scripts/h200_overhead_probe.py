@@ -292,6 +292,7 @@ def main() -> None:
 
     results: dict[str, list[float]] = {v: [] for v in variants}
     pass_steps: dict[str, list[list[tuple[float, float]]]] = {v: [] for v in variants}  # (start, seconds)
+    pass_stats: dict[str, list[dict]] = {v: [] for v in variants}  # each pass's figures, as its round line
     step_medians: dict[str, list[float]] = {v: [] for v in variants}
     same: dict[str, list[bool]] = {v: [] for v in variants}
     stats: dict[str, dict] = {}
@@ -309,6 +310,7 @@ def main() -> None:
             results[v].append(s)
             step_medians[v].append(st["median_step_ms"])
             pass_steps[v].append([(round(a, 4), round(d, 6)) for a, d in zip(step_at, step_s, strict=True)])
+            pass_stats[v].append(st)
             round_tokens[v] = tok
             stats[v] = st
             print(f"round {r} {v:14s} {s:.3f} s at {time.time():.1f} {st}", flush=True)
@@ -384,7 +386,14 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"mode": args.mode, "summary": summary, "stats": stats, "pass_steps": pass_steps, "clocks": clocks},
+                {
+                    "mode": args.mode,
+                    "summary": summary,
+                    "stats": stats,
+                    "pass_stats": pass_stats,
+                    "pass_steps": pass_steps,
+                    "clocks": clocks,
+                },
                 indent=None,
             )
         )

@@ -221,6 +221,7 @@ class Tracer:
                 throttle=self._throttle,
                 end=self._sink.send_records,
                 busy=lambda: self._in_capture > 0 or capturing(),
+                flush=self._sink.flush_records,
             )
         return WriterThread(
             self._pool,

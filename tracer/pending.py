@@ -172,7 +172,31 @@ def _floats(tensor: Any) -> tuple[float, ...] | None:
     """A small per-head tensor (ALiBi slopes, sinks) as floats; read at flush, off the hot path."""
     if tensor is None:
         return None
-    return tuple(float(x) for x in tensor.detach().float().cpu().tolist())
+    return tuple(float(x) for x in _on_host(tensor).tolist())
+
+
+#: device -> a CUDA stream of the tracer's own for :func:`_on_host` (made on first use)
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def _on_host(tensor: Any) -> Any:
+    """``tensor`` as float32 on the host; from a CUDA device, through a stream of the tracer's own.
+
+    The read waits for that stream only, never for the step's: whoever hands a slot over (the
+    writer thread, or the engine's own with ``PAGEDTRACE_WRITER=inline``) reads a scale cloned
+    before the slot's event, which has fired, or a tensor vLLM made at start-up. On the current
+    stream, ``.cpu()`` would wait for every kernel the engine has queued there so far.
+    """
+    value = tensor.detach()
+    if not getattr(value, "is_cuda", False):
+        return value.float().cpu()
+    import torch
+
+    stream = _SIDE_STREAMS.get(value.device)
+    if stream is None:
+        stream = _SIDE_STREAMS[value.device] = torch.cuda.Stream(device=value.device)
+    with torch.cuda.stream(stream):
+        return value.float().cpu()
 
 
 def capture_scales(layer: Any) -> dict[str, Any]:
@@ -205,7 +229,7 @@ def _scale_value(value: Any) -> float | None:
     """
     if value is None or isinstance(value, float):
         return value
-    flat = value.detach().float().reshape(-1).cpu()
+    flat = _on_host(value).reshape(-1)
     if flat.numel() == 0 or not bool((flat == flat[0]).all()):
         return None
     return float(flat[0])

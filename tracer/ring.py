@@ -261,10 +261,12 @@ class InlineWriter:
         end: Callable[[], None] | None = None,
         idle_s: float = IDLE_S,
         busy: Callable[[], bool] = lambda: False,
+        flush: Callable[[], None] | None = None,
     ):
         self.pool = pool
         self._handle = handle
         self._end = end
+        self._flush = flush  #: sends what ``end`` held back (the record process's batched writes)
         self._on_error = on_error
         self._pending: deque[Slot] = deque()  # append / popleft are atomic: no lock to queue a slot
         self._failed = False
@@ -302,10 +304,19 @@ class InlineWriter:
                 self._finish(self._pending.popleft())
 
     def drain(self) -> None:
-        """Hand over every queued slot (waits for their events)."""
+        """Hand over every queued slot (waits for their events), and send what ``end`` held back."""
         with self._lock:
             while self._pending:
                 self._finish(self._pending.popleft())
+            self._send_held()
+
+    def _send_held(self) -> None:
+        if self._flush is not None and not self._failed:
+            try:
+                self._flush()
+            except BaseException as exc:  # noqa: BLE001 - the engine must run on
+                self._failed = True
+                self._on_error(exc)
 
     def close(self) -> None:
         """End the idle thread, then hand over what is queued."""
@@ -315,13 +326,20 @@ class InlineWriter:
         self.drain()
 
     def _hand_over_when_idle(self) -> None:
+        held = False  # ``end`` may hold messages back since the last idle hand-over
         while not self._closed.wait(self._idle_s):
-            if not self._pending or time.monotonic() - self._last < self._idle_s or self._busy():
+            if time.monotonic() - self._last < self._idle_s:
+                held = True  # steps ran: something may be held
+                continue
+            if (not self._pending and not held) or self._busy():
                 continue
             if self._lock.acquire(blocking=False):  # else a step is handing over right now
                 try:
                     while self._pending and not self._busy():
                         self._finish(self._pending.popleft())
+                    if not self._pending:
+                        self._send_held()
+                        held = False
                 finally:
                     self._lock.release()
 

@@ -107,9 +107,13 @@ def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
 class RecordProcess:
     """The child process that writes a trace's records (:meth:`start`, or the first :meth:`send`)."""
 
-    def __init__(self, directory: Callable[[], Path]):
+    def __init__(self, directory: Callable[[], Path], *, batch: int = 1):
         #: the trace directory, asked at the first send: a tensor-parallel rank is known only by then
         self.directory = directory
+        #: messages kept before one write sends them together (:meth:`flush` sends them sooner): each
+        #: write wakes the child, and a pipe's wake-up may run it on the sender's CPU
+        self.batch = batch
+        self._held: list[bytes] = []
         self._told = False  # the child was sent the directory
         self._proc: subprocess.Popen[bytes] | None = None  #: its pipes (the process itself is detached)
         self.pid: int | None = None  #: the detached child's pid, once started
@@ -130,19 +134,35 @@ class RecordProcess:
                 items = [["directory", str(self.directory())], *items]
                 self._told = True
             payload = self._encode([hosts, items])
-            try:
-                proc.stdin.write(_LENGTH.pack(len(payload)) + payload)
-                proc.stdin.flush()
-            except OSError:  # the child ended early (BrokenPipeError): close() reads why
-                self._close(failed=True)
-                return False
-            return True
+            self._held.append(_LENGTH.pack(len(payload)))
+            self._held.append(payload)
+            if len(self._held) < 2 * self.batch:
+                return True
+            return self._write()
+
+    def flush(self) -> bool:
+        """Send the messages :meth:`send` holds (``batch`` > 1); False once the child has ended."""
+        with self._lock:
+            return self._write() if self._held and self.error is None else self.error is None
+
+    def _write(self) -> bool:
+        """Write what is held, under the lock; on a broken pipe, close and say why (``error``)."""
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None
+        data, self._held = b"".join(self._held), []
+        try:
+            proc.stdin.write(data)
+            proc.stdin.flush()
+        except OSError:  # the child ended early (BrokenPipeError): close() reads why
+            self._close(failed=True)
+            return False
+        return True
 
     def sync(self) -> bool:
         """Wait until the child has written everything sent so far; False once it has ended (see ``error``)."""
         if self._proc is None:
             return self.error is None
-        if not self.send([], [["sync"]]):
+        if not self.send([], [["sync"]]) or not self.flush():
             return False
         with self._lock:
             proc = self._proc
@@ -154,8 +174,13 @@ class RecordProcess:
             return False
 
     def close(self) -> str | None:
-        """End of input; wait for the child to write what it has. Returns its error, if any."""
+        """End of input, after what :meth:`send` holds; wait for the child to write what it has.
+
+        Returns its error, if any.
+        """
         with self._lock:
+            if self._held and self._proc is not None and self.error is None:
+                self._write()
             return self._close()
 
     def _close(self, said: str = "", *, failed: bool = False) -> str | None:

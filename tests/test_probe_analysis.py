@@ -1,0 +1,72 @@
+"""``benchmarks/probe_analysis.py``: the four readings of an overhead probe's run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def analysis():
+    spec = importlib.util.spec_from_file_location("probe_analysis", ROOT / "benchmarks" / "probe_analysis.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quiet_rounds_are_chosen_by_the_untraced_pass_alone(analysis):
+    assert analysis.quiet_rounds([2.0, 1.6, 1.62, 1.7, 1.64], 0.03) == [1, 2, 4]
+
+
+def test_decode_steps_leave_out_each_batchs_prefill(analysis):
+    steps = [[float(i), 0.001 * i] for i in range(130)]
+    kept = analysis.decode_steps(steps)
+    assert len(kept) == 126 and 0.0 not in kept and 0.001 not in kept and 0.065 not in kept and 0.066 not in kept
+
+
+def test_slow_steps_count_the_share_and_the_time_over_the_bar(analysis):
+    fast, slow = [0.0, 0.005], [0.0, 0.010]
+    passes = [[fast, fast] + [fast] * 6 + [slow, slow], [fast, fast] + [fast] * 8]  # prefill steps first
+    share, extra = analysis.slow_steps(passes, 0.006)
+    assert share == pytest.approx(2 / 16) and extra == pytest.approx(2 * 0.004 / 2)
+
+
+def test_round_lines_give_each_pass_its_figures(analysis):
+    text = (
+        "round 0 untraced       1.614 s at 1796284662.9 {'gc_s': 0.0008, 'host': {'vol': 4}}\n"
+        "round 0 metadata       1.723 s at 1796284664.9 {'error': None, 'host': {'vol': 440}}\n"
+        "PIECEWISE: median of 1 rounds\n"
+    )
+    stats = analysis.pass_stats_from_text(text)
+    assert stats == {
+        "untraced": [{"gc_s": 0.0008, "host": {"vol": 4}}],
+        "metadata": [{"error": None, "host": {"vol": 440}}],
+    }
+
+
+def test_a_run_reads_into_one_table(analysis, tmp_path, capsys):
+    step = [[0.0, 0.005]] * 65
+    run = {
+        "summary": {"untraced": {"all_s": [1.6, 2.0, 1.61]}, "metadata": {"all_s": [1.62, 2.2, 1.63]}},
+        "pass_steps": {"untraced": [step] * 3, "metadata": [step] * 3},
+        "pass_stats": {"untraced": [{"host": {"vol": 4}}] * 3, "metadata": [{"host": {"vol": 450}}] * 3},
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert analysis.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "quiet (untraced within 3% of its best, 1.600 s): 2" in out
+    assert "450/pass" in out and "4/pass" in out
+
+
+def test_a_run_without_untraced_passes_is_one_line(analysis, tmp_path, capsys):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"summary": {"metadata": {"all_s": [1.0]}}}))
+    assert analysis.main([str(path)]) == 2
+    assert capsys.readouterr().err.strip() == "probe_analysis: the run has no untraced passes"
