@@ -39,6 +39,16 @@ LAYER = "model.layers.0.self_attn.attn"
 # -- vLLM sources and the engine subprocess ------------------------------------------------
 
 
+def load_script(relpath: str) -> Any:
+    """A benchmark or script of the repository (``benchmarks/hot_path.py``) as a module: they are not a package."""
+    path = Path(__file__).resolve().parent.parent / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _site_packages() -> Path | None:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.factories import load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_clocks():
-    spec = importlib.util.spec_from_file_location("gpu_clocks", ROOT / "benchmarks" / "gpu_clocks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_clocks.py")
 
 
 def test_load_samples_sorts_and_skips_a_cut_line(gpu_clocks, tmp_path):

@@ -8,20 +8,13 @@ machine-independent part of what a metadata trace costs a launch-bound engine.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
+from tests.factories import load_script
 from tracer.format import parse_layers
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _hot_path():
-    spec = importlib.util.spec_from_file_location("hot_path", ROOT / "benchmarks" / "hot_path.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/hot_path.py")
 
 
 #: Calls that only read a tensor's attributes: no dispatch.

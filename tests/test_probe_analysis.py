@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.factories import load_script
 
 
 @pytest.fixture(scope="module")
 def analysis():
-    spec = importlib.util.spec_from_file_location("probe_analysis", ROOT / "benchmarks" / "probe_analysis.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/probe_analysis.py")
 
 
 def test_quiet_rounds_are_chosen_by_the_untraced_pass_alone(analysis):

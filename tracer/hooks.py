@@ -213,24 +213,13 @@ class Tracer:
         ``PAGEDTRACE_WRITER=inline`` (a trace without tensors): no thread, the engine's own hands
         the slots over at each step's end (``tracer.ring.InlineWriter``).
         """
+        args = (self._pool, self._sink.handle_slot, self._on_writer_error)
         if self._sink.inline:
+            busy = lambda: self._in_capture > 0 or capturing()  # noqa: E731 - the idle thread's question
             return InlineWriter(
-                self._pool,
-                self._sink.handle_slot,
-                self._on_writer_error,
-                throttle=self._throttle,
-                end=self._sink.send_records,
-                busy=lambda: self._in_capture > 0 or capturing(),
-                flush=self._sink.flush_records,
+                *args, throttle=self._throttle, end=self._sink.send_records, busy=busy, flush=self._sink.flush_records
             )
-        return WriterThread(
-            self._pool,
-            self._sink.handle_slot,
-            self._on_writer_error,
-            throttle=self._throttle,
-            end=self._sink.send_records,
-            blocking=self._blocking_events,
-        )
+        return WriterThread(*args, throttle=self._throttle, end=self._sink.send_records, blocking=self._blocking_events)
 
     def stop(self) -> None:
         """Write what is in flight, unpatch, close the trace. Safe to call twice."""

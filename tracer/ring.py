@@ -222,11 +222,55 @@ def record_event(slot: Slot, on_cuda: bool, *, blocking: bool = True) -> None:
     slot.recorded = True
 
 
+class _HandOver:
+    """What both writers do with a slot: wait for its event, ``handle`` it, ``end``, free it.
+
+    An exception in ``handle`` or ``end`` is passed to ``on_error`` once; later slots are only
+    freed. ``throttle`` (tests): seconds to sleep before each slot, a slow disk.
+    """
+
+    def __init__(
+        self,
+        pool: SlotPool,
+        handle: Callable[[Slot], None],
+        on_error: Callable[[BaseException], None],
+        *,
+        throttle: float = 0.0,
+        end: Callable[[], None] | None = None,
+    ):
+        self.pool = pool
+        self._handle = handle
+        self._end = end
+        self._on_error = on_error
+        self._failed = False
+        self.throttle = throttle
+
+    def _finish(self, slot: Slot, *, fired: bool = False) -> None:
+        """Hand ``slot`` over (``fired``: its event is known to have fired), then free it."""
+        if self.throttle:
+            time.sleep(self.throttle)
+        if not self._failed:
+            try:
+                self._before_wait(slot)
+                if not fired and slot.event is not None and slot.recorded:
+                    slot.event.synchronize()
+                self._handle(slot)
+                if self._end is not None:
+                    self._end()
+            except BaseException as exc:  # noqa: BLE001 - the engine must run on
+                self._failed = True
+                self._on_error(exc)
+        self.pool.release(slot)
+
+    def _before_wait(self, slot: Slot) -> None:
+        """Before the slot's event is waited for (the writer thread records one left to it)."""
+
+
 #: ``InlineWriter``: after this many seconds without a step, its idle thread hands over what is queued.
 IDLE_S = 0.1
 
 
-class InlineWriter:
+class InlineWriter(_HandOver):
     """The writer's work on the engine's own thread, at each step's end: no writer thread.
 
     ``PAGEDTRACE_WRITER=inline`` (a trace without tensors; the records are built and written
@@ -263,14 +307,9 @@ class InlineWriter:
         busy: Callable[[], bool] = lambda: False,
         flush: Callable[[], None] | None = None,
     ):
-        self.pool = pool
-        self._handle = handle
-        self._end = end
+        super().__init__(pool, handle, on_error, throttle=throttle, end=end)
         self._flush = flush  #: sends what ``end`` held back (the record process's batched writes)
-        self._on_error = on_error
         self._pending: deque[Slot] = deque()  # append / popleft are atomic: no lock to queue a slot
-        self._failed = False
-        self.throttle = throttle
         self._lock = threading.Lock()  # held while slots are handed over
         self._last = time.monotonic()  # the last step's submit
         self._idle_s = idle_s
@@ -343,30 +382,13 @@ class InlineWriter:
                 finally:
                     self._lock.release()
 
-    def _finish(self, slot: Slot, *, fired: bool = False) -> None:
-        """Hand ``slot`` over (``fired``: its event is known to have fired), then free it."""
-        if self.throttle:
-            time.sleep(self.throttle)
-        if not self._failed:
-            try:
-                if not fired and slot.event is not None and slot.recorded:
-                    slot.event.synchronize()
-                self._handle(slot)
-                if self._end is not None:
-                    self._end()
-            except BaseException as exc:  # noqa: BLE001 - the engine must run on
-                self._failed = True
-                self._on_error(exc)
-        self.pool.release(slot)
 
-
-class WriterThread:
+class WriterThread(_HandOver):
     """Drains slots in order: waits for each one's event, then ``handle(slot)``, then frees it.
 
     ``handle`` runs on this thread (records, JSON, files; it makes the slot's host views,
-    ``Slot.make_views``), then ``end`` (sends what ``handle`` queued, if anything); an exception
-    in either is passed to ``on_error`` once and later slots are only released. ``throttle`` (tests): seconds to
-    sleep before each slot, a slow disk.
+    ``Slot.make_views``), then ``end`` (sends what ``handle`` queued, if anything); errors and
+    ``throttle`` as :class:`_HandOver` says.
     """
 
     def __init__(
@@ -379,17 +401,12 @@ class WriterThread:
         end: Callable[[], None] | None = None,
         blocking: bool = True,
     ):
-        self.pool = pool
+        super().__init__(pool, handle, on_error, throttle=throttle, end=end)
         self.blocking = blocking  #: events this thread makes (``leave_event``) block their waiter
         self._streams: dict[tuple[int, int], Any] = {}  #: (raw stream, device) -> ``torch.cuda.ExternalStream``
-        self._handle = handle
-        self._end = end
-        self._on_error = on_error
         # A SimpleQueue: ``put`` is one C call on the engine's thread (a ``queue.Queue`` takes its
         # lock and notifies in Python). ``drain`` queues a marker and waits for the thread to reach it.
         self._queue: queue.SimpleQueue[Slot | threading.Event | None] = queue.SimpleQueue()
-        self._failed = False
-        self.throttle = throttle
         self._thread = threading.Thread(target=self._run, name="pagedtrace-writer", daemon=True)
         self._thread.start()
 
@@ -423,24 +440,12 @@ class WriterThread:
             if isinstance(slot, threading.Event):  # ``drain``: every slot before it is handled
                 slot.set()
                 continue
-            if self.throttle:
-                time.sleep(self.throttle)
-            if not self._failed:
-                try:
-                    if slot.stream:
-                        self._record(slot)
-                    if slot.event is not None and slot.recorded:
-                        slot.event.synchronize()
-                    self._handle(slot)
-                    if self._end is not None:
-                        self._end()
-                except BaseException as exc:  # noqa: BLE001 - the engine must run on
-                    self._failed = True
-                    self._on_error(exc)
-            self.pool.release(slot)
+            self._finish(slot)
 
-    def _record(self, slot: Slot) -> None:
+    def _before_wait(self, slot: Slot) -> None:
         """Record the event the engine's thread left to this one (:func:`leave_event`) on its stream."""
+        if not slot.stream:
+            return
         import torch
 
         key = (slot.stream, slot.device)
