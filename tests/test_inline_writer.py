@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.factories import RUN_ARGS, engine_env, run_engine
 from tests.test_writer_process import _engine, _steps
 from tracer.format import Trace
 from tracer.ring import InlineWriter, Slot, SlotPool
@@ -151,3 +152,31 @@ def test_a_step_that_finds_the_idle_thread_handing_over_leaves_its_slot_queued()
     assert handled == [0]
     writer.close()
     assert handled == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def inline_trace(tmp_path_factory):
+    """The shared session, metadata only, handed over inline through a two-slot ring and a slow writer."""
+    out = tmp_path_factory.mktemp("engine-inline") / "trace"
+    env = engine_env(PAGEDTRACE_WRITER="inline", PAGEDTRACE_RING_SLOTS="2", PAGEDTRACE_WRITER_THROTTLE_S="0.02")
+    run_engine(["-m", "pagedtrace", "run", "-o", str(out), *RUN_ARGS, "--no-tensors"], env=env)
+    return out
+
+
+@pytest.mark.engine
+def test_a_real_engine_traced_inline_records_what_the_writer_thread_records(inline_trace, cpu_trace):
+    inline, full = Trace.open(inline_trace), Trace.open(cpu_trace)
+    got = {r.step: r for r in inline.steps(kind="request")}
+    want = {r.step: r for r in full.steps(kind="request")}
+    assert sorted(got) == sorted(want) and got
+    for step, r in got.items():
+        w = want[step]
+        assert (r.block_table, r.slot_mapping, r.seq_lens, r.query_start_loc) == (
+            w.block_table,
+            w.slot_mapping,
+            w.seq_lens,
+            w.query_start_loc,
+        )
+        # vLLM numbers requests per run and adds a random suffix: the numbers must agree
+        assert [i.split("-")[0] for i in r.request_ids] == [i.split("-")[0] for i in w.request_ids]
+    assert inline.run.extra["finished"] is True and not inline.problems
