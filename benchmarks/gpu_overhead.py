@@ -7,7 +7,8 @@ suffixes drawn with a seed per batch), greedy, ``--max-tokens`` new tokens each 
 
 Modes: ``default`` (vLLM's own compilation config: FULL_AND_PIECEWISE on a GPU), ``piecewise``
 (``cudagraph_mode`` PIECEWISE), ``eager`` (``enforce_eager``). Cases: ``untraced``,
-``metadata`` (first layer, no tensors), ``tensors-l0`` (layer 0 with tensors) and
+``metadata`` (first layer, no tensors), ``metadata-inline`` (the same with
+``PAGEDTRACE_WRITER=inline``: no writer thread), ``tensors-l0`` (layer 0 with tensors) and
 ``tensors-all`` (every layer with tensors), both with a 4096 MiB tensor budget, and the same two
 keeping 8 query rows a step (``tensors-l0-rows8``, ``tensors-all-rows8``: format 4's ``query_rows``).
 
@@ -58,12 +59,16 @@ MODES = ("default", "piecewise", "eager")
 CASES: dict[str, dict[str, Any] | None] = {
     "untraced": None,
     "metadata": {"layers": "first", "tensors": False},
+    # metadata with no writer thread: the engine's thread hands the slots over (tracer.ring.InlineWriter)
+    "metadata-inline": {"layers": "first", "tensors": False},
     "tensors-l0": {"layers": (0,), "tensors": True, "budget_mb": 4096.0},
     "tensors-all": {"layers": "all", "tensors": True, "budget_mb": 4096.0},
     # format 4: 8 query rows a step kept (tracer.format.rows), the KV write log whole
     "tensors-l0-rows8": {"layers": (0,), "tensors": True, "budget_mb": 4096.0, "query_rows": 8},
     "tensors-all-rows8": {"layers": "all", "tensors": True, "budget_mb": 4096.0, "query_rows": 8},
 }
+#: Case -> ``PAGEDTRACE_*`` settings of its process (every other ``PAGEDTRACE_*`` is left out).
+CASE_ENV: dict[str, dict[str, str]] = {"metadata-inline": {"PAGEDTRACE_WRITER": "inline"}}
 #: Bytes per element of the activation dtypes a model may run in.
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 #: The untimed warm-up: a couple of short prompts outside the timed prefix.
@@ -396,9 +401,11 @@ def tokens_digest(outputs: list[list[list[int]]]) -> list[str]:
     return [hashlib.sha256(json.dumps(o).encode()).hexdigest()[:16] for batch in outputs for o in batch]
 
 
-def child_env(mode: str) -> dict[str, str]:
-    """The environment of a case: in-process engine, quiet, offline, no ``PAGEDTRACE_*`` from outside."""
+def child_env(mode: str, case: str = "untraced") -> dict[str, str]:
+    """The environment of a case: in-process engine, quiet, offline, no ``PAGEDTRACE_*`` from outside
+    but the case's own (:data:`CASE_ENV`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDTRACE_")}
+    env.update(CASE_ENV.get(case, {}))
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_NO_USAGE_STATS="1",
@@ -435,7 +442,7 @@ def run_case(w: Workload, mode: str, case: str, workdir: Path, timeout: float, k
                 [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=child_env(mode),
+                env=child_env(mode, case),
                 timeout=timeout,
             )
             if proc.returncode != 0:

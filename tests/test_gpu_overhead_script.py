@@ -154,6 +154,14 @@ def test_bench_compares_against_the_untraced_runs(bench):
     assert "**crashed** (exit 1)" in table[-1]
 
 
+def test_a_case_gets_its_own_writer_setting_and_no_other(bench, monkeypatch):
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "thread")  # from outside: never reaches a case
+    monkeypatch.setenv("PAGEDTRACE_RING_SLOTS", "2")
+    inline = bench.child_env("piecewise", "metadata-inline")
+    assert inline["PAGEDTRACE_WRITER"] == "inline" and "PAGEDTRACE_RING_SLOTS" not in inline
+    assert not any(k.startswith("PAGEDTRACE_") for k in bench.child_env("piecewise", "metadata"))
+
+
 def test_bench_rejects_bad_flags_in_one_line(tmp_path):
     for flags, message in (
         (["--modes", "eager,fast"], "choose from default,piecewise,eager"),
@@ -258,7 +266,7 @@ def test_benchmark_cpu_invocation(tmp_path):
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
     flags = ["--model", "tiny", "--modes", "eager", "--prompts", "4", "--prompt-len", "20:40", "--max-tokens", "8"]
-    flags += ["--cases", "untraced,metadata,tensors-l0,tensors-all,tensors-l0-rows8"]
+    flags += ["--cases", "untraced,metadata,metadata-inline,tensors-l0,tensors-all,tensors-l0-rows8"]
     proc = subprocess.run(
         [sys.executable, str(BENCH), *flags, "--batches", "2", "--json", str(out), "--md", str(md)],
         capture_output=True,
@@ -270,7 +278,7 @@ def test_benchmark_cpu_invocation(tmp_path):
     report = json.loads(out.read_text())
     assert report["vllm_version"] == "0.26.0" and report["machine"]
     cases = {c["case"]: c for c in report["cases"]}
-    assert list(cases) == ["untraced", "metadata", "tensors-l0", "tensors-all", "tensors-l0-rows8"]
+    assert list(cases) == ["untraced", "metadata", "metadata-inline", "tensors-l0", "tensors-all", "tensors-l0-rows8"]
     assert all(c["mode"] == "eager" and c["crash"] is None for c in cases.values())
     for name, c in cases.items():
         assert c["tokens"]["generated"] == c["tokens"]["expected"] == 4 * 8 * 2
@@ -288,10 +296,10 @@ def test_benchmark_cpu_invocation(tmp_path):
         assert c["tokens"]["in_trace"] == c["tokens"]["expected"]
         assert set(c["cudagraph_steps"]) <= {"none", "unrecorded"}
         assert c["trace_bytes"] > 0
-        layers = {"metadata": 1, "tensors-l0": 1, "tensors-all": 2, "tensors-l0-rows8": 1}[name]
+        layers = {"metadata": 1, "metadata-inline": 1, "tensors-l0": 1, "tensors-all": 2, "tensors-l0-rows8": 1}[name]
         assert c["layers"] == layers and c["layer_steps"] == layers * steps["recorded"]
         tensors = c["tensors"]
-        if name == "metadata":
+        if name.startswith("metadata"):
             assert tensors["layer_steps"] == 0 and tensors["ratio_to_ideal"] is None
         else:
             assert tensors["layer_steps"] == c["layer_steps"]
@@ -301,8 +309,8 @@ def test_benchmark_cpu_invocation(tmp_path):
     full, kept = (cases[c]["tensors"]["bytes_per_layer_step_by_name"] for c in ("tensors-l0", "tensors-l0-rows8"))
     assert kept["query"] < full["query"] and kept["kv_written"] == full["kv_written"] and "query_rows" in kept
     table = md.read_text().splitlines()
-    assert "vLLM 0.26.0" in table[0] and len(table) == 4 + 5
-    assert proc.stdout.count(" wall ") == 5  # one line per case, with its wall time
+    assert "vLLM 0.26.0" in table[0] and len(table) == 4 + 6
+    assert proc.stdout.count(" wall ") == 6  # one line per case, with its wall time
 
 
 @pytest.mark.engine
