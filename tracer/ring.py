@@ -249,18 +249,26 @@ class _HandOver:
         """Hand ``slot`` over (``fired``: its event is known to have fired), then free it."""
         if self.throttle:
             time.sleep(self.throttle)
-        if not self._failed:
-            try:
-                self._before_wait(slot)
-                if not fired and slot.event is not None and slot.recorded:
-                    slot.event.synchronize()
-                self._handle(slot)
-                if self._end is not None:
-                    self._end()
-            except BaseException as exc:  # noqa: BLE001 - the engine must run on
-                self._failed = True
-                self._on_error(exc)
+        self._guarded(self._hand_over, slot, fired)
         self.pool.release(slot)
+
+    def _hand_over(self, slot: Slot, fired: bool) -> None:
+        self._before_wait(slot)
+        if not fired and slot.event is not None and slot.recorded:
+            slot.event.synchronize()
+        self._handle(slot)
+        if self._end is not None:
+            self._end()
+
+    def _guarded(self, call: Callable[..., None], *args: Any) -> None:
+        """``call(*args)`` unless a hand-over failed before; its exception goes to ``on_error``, once."""
+        if self._failed:
+            return
+        try:
+            call(*args)
+        except BaseException as exc:  # noqa: BLE001 - the engine must run on
+            self._failed = True
+            self._on_error(exc)
 
     def _before_wait(self, slot: Slot) -> None:
         """Before the slot's event is waited for (the writer thread records one left to it)."""
@@ -350,12 +358,8 @@ class InlineWriter(_HandOver):
             self._send_held()
 
     def _send_held(self) -> None:
-        if self._flush is not None and not self._failed:
-            try:
-                self._flush()
-            except BaseException as exc:  # noqa: BLE001 - the engine must run on
-                self._failed = True
-                self._on_error(exc)
+        if self._flush is not None:
+            self._guarded(self._flush)
 
     def close(self) -> None:
         """End the idle thread, then hand over what is queued."""
