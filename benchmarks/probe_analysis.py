@@ -16,10 +16,15 @@ against ``untraced`` with a 95 % bootstrap interval over rounds (the probe's ``p
    ``host.vol`` in the probe's round lines): a thread that waits for the GIL another thread holds
    sleeps on it.
 
-    python3 benchmarks/probe_analysis.py RUN.json [RUN.txt] [--quiet 0.03] [--slow 1.25]
+    python3 benchmarks/probe_analysis.py RUN.json [RUN.txt] [RUN2.json ...] [--pair A/B] [--quiet 0.03] [--slow 1.25]
 
-``RUN.txt`` (the probe's printed output) supplies each pass's figures for a run whose JSON
-predates ``pass_stats``.
+``RUN.txt`` (the probe's printed output, right after its JSON) supplies each pass's figures for
+a run whose JSON predates ``pass_stats``. With several runs it then **pools** them: every round of
+every run is one sample of each traced variant over untraced (and of each ``--pair`` A over B).
+Quiet rounds lean against the tracer more than it seems: a round chosen for its fast untraced
+pass has a traced pass that was not chosen, so the ratio is biased up (regression to the mean;
+session 10 read 1.10–1.16× there where all rounds gave 1.00–1.05×). The pooled all-rounds
+interval is the figure to read.
 """
 
 from __future__ import annotations
@@ -89,25 +94,28 @@ def slow_steps(passes: list[list[list[float]]], bar: float) -> tuple[float, floa
     return slow / max(n, 1), extra / max(len(passes), 1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", type=Path, help="the probe's --json output (.json or .json.xz)")
-    ap.add_argument("text", type=Path, nargs="?", help="the probe's printed output, for a run without pass_stats")
-    ap.add_argument("--quiet", type=float, default=0.03)
-    ap.add_argument("--slow", type=float, default=1.25)
-    args = ap.parse_args(argv)
-    try:
-        run = _read(args.json)
-        stats = run.get("pass_stats") or (pass_stats_from_text(args.text.read_text()) if args.text else {})
-    except (OSError, ValueError, lzma.LZMAError) as exc:
-        print(f"probe_analysis: cannot read the run: {exc}", file=sys.stderr)
-        return 2
-    paired_interval = _paired_interval()
+def runs_of(paths: list[Path]) -> list[tuple[Path, Path | None]]:
+    """The runs named on the command line: each JSON file, with the ``.txt`` right after it if any."""
+    runs: list[tuple[Path, Path | None]] = []
+    for path in paths:
+        if path.suffix == ".txt":
+            if not runs or runs[-1][1] is not None:
+                raise ValueError(f"{path}: a probe's printed output goes right after its JSON file")
+            runs[-1] = (runs[-1][0], path)
+        else:
+            runs.append((path, None))
+    return runs
+
+
+def ratios(summary: dict[str, Any], top: str, bottom: str) -> list[float]:
+    """Each round's pass time of ``top`` over ``bottom``'s in the same round."""
+    return [a / b for a, b in zip(summary[top]["all_s"], summary[bottom]["all_s"], strict=True)]
+
+
+def report_run(run: dict[str, Any], stats: dict[str, Any], args: argparse.Namespace, paired_interval) -> None:
+    """One run's table: per variant all rounds, quiet rounds, slow steps, blocks."""
     summary, steps = run["summary"], run.get("pass_steps", {})
     variants = [v for v in summary if "all_s" in summary[v]]
-    if "untraced" not in variants:
-        print("probe_analysis: the run has no untraced passes", file=sys.stderr)
-        return 2
     untraced = summary["untraced"]["all_s"]
     quiet = quiet_rounds(untraced, args.quiet)
     base = statistics.median(d for p in steps.get("untraced", []) for d in decode_steps(p)) if steps else 0.0
@@ -117,11 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def interval(v: str, rounds: list[int]) -> str:
-        ratios = [summary[v]["all_s"][r] / untraced[r] for r in rounds]
-        if len(ratios) < 2:
-            return "-"
-        geo, low, high = paired_interval(ratios)
-        return f"{geo:.3f}x [{low:.3f}, {high:.3f}]"
+        every = ratios(summary, v, "untraced")
+        return _interval([every[r] for r in rounds], paired_interval)
 
     print(f"{'variant':22s} {'all rounds':24s} {'quiet rounds':24s} {'slow steps':>10s} {'adds/pass':>10s} blocked")
     for v in variants:
@@ -132,6 +137,73 @@ def main(argv: list[str] | None = None) -> int:
         all_s = "1" if v == "untraced" else interval(v, every)
         quiet_s = "1" if v == "untraced" else interval(v, quiet)
         print(f"{v:22s} {all_s:24s} {quiet_s:24s} {share:10.1%} {extra * 1e3:8.1f}ms {blocked}")
+
+
+def _interval(values: list[float], paired_interval) -> str:
+    if len(values) < 2:
+        return "-"
+    geo, low, high = paired_interval(values)
+    return f"{geo:.3f}x [{low:.3f}, {high:.3f}]"
+
+
+def report_pooled(summaries: list[dict[str, Any]], pairs: list[tuple[str, str]], paired_interval) -> None:
+    """Every round of every run as one sample: each traced variant over untraced, and each ``pairs`` top over bottom.
+
+    The rounds of separate runs (machines, times) are independent pairs of passes like the rounds
+    of one run, so they pool; a variant counts in the runs that have it.
+    """
+    wanted = [(v, "untraced") for s in summaries for v in s if v != "untraced" and "all_s" in s[v]]
+    wanted = list(dict.fromkeys(wanted + pairs))
+    print(f"pooled over {len(summaries)} runs (each round one sample):")
+    for top, bottom in wanted:
+        values = [r for s in summaries if top in s and bottom in s for r in ratios(s, top, bottom)]
+        used = sum(1 for s in summaries if top in s and bottom in s)
+        print(
+            f"  {top + ' / ' + bottom:40s} {_interval(values, paired_interval):24s} {len(values)} rounds, {used} runs"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "runs",
+        type=Path,
+        nargs="+",
+        help="the probe's --json outputs (.json or .json.xz), each followed by its printed output (.txt) "
+        "when it has no pass_stats",
+    )
+    ap.add_argument("--quiet", type=float, default=0.03)
+    ap.add_argument("--slow", type=float, default=1.25)
+    ap.add_argument(
+        "--pair", action="append", default=[], metavar="TOP/BOTTOM", help="also pool TOP's time over BOTTOM's"
+    )
+    args = ap.parse_args(argv)
+    pairs = []
+    for pair in args.pair:
+        top, _, bottom = pair.partition("/")
+        if not top or not bottom:
+            print(f"probe_analysis: --pair {pair!r}: expected TOP/BOTTOM, two variants", file=sys.stderr)
+            return 2
+        pairs.append((top, bottom))
+    loaded = []
+    try:
+        for json_path, text_path in runs_of(args.runs):
+            run = _read(json_path)
+            stats = run.get("pass_stats") or (pass_stats_from_text(text_path.read_text()) if text_path else {})
+            if "untraced" not in run.get("summary", {}):
+                print(f"probe_analysis: the run has no untraced passes ({json_path})", file=sys.stderr)
+                return 2
+            loaded.append((json_path, run, stats))
+    except (OSError, ValueError, lzma.LZMAError) as exc:
+        print(f"probe_analysis: cannot read the run: {exc}", file=sys.stderr)
+        return 2
+    paired_interval = _paired_interval()
+    for json_path, run, stats in loaded:
+        if len(loaded) > 1:
+            print(f"== {json_path}")
+        report_run(run, stats, args, paired_interval)
+    if len(loaded) > 1 or pairs:
+        report_pooled([run["summary"] for _, run, _ in loaded], pairs, paired_interval)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``benchmarks/probe_analysis.py``: the four readings of an overhead probe's run."""
+"""``benchmarks/probe_analysis.py``: the four readings of an overhead probe's run, and runs pooled."""
 
 from __future__ import annotations
 
@@ -63,4 +63,36 @@ def test_a_run_without_untraced_passes_is_one_line(analysis, tmp_path, capsys):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"summary": {"metadata": {"all_s": [1.0]}}}))
     assert analysis.main([str(path)]) == 2
-    assert capsys.readouterr().err.strip() == "probe_analysis: the run has no untraced passes"
+    assert capsys.readouterr().err.strip() == f"probe_analysis: the run has no untraced passes ({path})"
+
+
+def _run(tmp_path, name: str, untraced: list[float], **variants: list[float]):
+    path = tmp_path / name
+    path.write_text(
+        json.dumps({"summary": {"untraced": {"all_s": untraced}} | {v: {"all_s": s} for v, s in variants.items()}})
+    )
+    return str(path)
+
+
+def test_runs_pool_every_round_as_one_sample(analysis, tmp_path, capsys):
+    one = _run(tmp_path, "one.json", [1.0, 2.0], metadata=[1.1, 2.2], inline=[1.05, 2.1])
+    two = _run(tmp_path, "two.json", [1.5, 1.5, 3.0], inline=[1.5, 1.5, 3.0])
+    assert analysis.main([one, two, "--pair", "inline/metadata"]) == 0
+    pooled = capsys.readouterr().out.split("pooled over 2 runs")[1].splitlines()
+    assert pooled[1].split()[:3] == ["metadata", "/", "untraced"] and "1.100x" in pooled[1]
+    assert "2 rounds, 1 runs" in pooled[1]
+    # inline: 1.05 twice, 1.0 three times -> geometric mean 1.05 ** (2 / 5)
+    assert f"{1.05**0.4:.3f}x" in pooled[2] and "5 rounds, 2 runs" in pooled[2]
+    assert f"{1.05 / 1.1:.3f}x" in pooled[3] and "2 rounds, 1 runs" in pooled[3]
+
+
+def test_a_printed_output_belongs_to_the_json_before_it(analysis, tmp_path):
+    a, t, b = tmp_path / "a.json", tmp_path / "a.txt", tmp_path / "b.json.xz"
+    assert analysis.runs_of([a, t, b]) == [(a, t), (b, None)]
+    with pytest.raises(ValueError, match="goes right after its JSON file"):
+        analysis.runs_of([t, a])
+
+
+def test_a_bad_pair_is_one_line(analysis, tmp_path, capsys):
+    assert analysis.main([_run(tmp_path, "r.json", [1.0]), "--pair", "metadata"]) == 2
+    assert capsys.readouterr().err.strip() == "probe_analysis: --pair 'metadata': expected TOP/BOTTOM, two variants"
