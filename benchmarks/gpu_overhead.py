@@ -7,10 +7,11 @@ suffixes drawn with a seed per batch), greedy, ``--max-tokens`` new tokens each 
 
 Modes: ``default`` (vLLM's own compilation config: FULL_AND_PIECEWISE on a GPU), ``piecewise``
 (``cudagraph_mode`` PIECEWISE), ``eager`` (``enforce_eager``). Cases: ``untraced``,
-``metadata`` (first layer, no tensors), ``metadata-inline`` (the same with
-``PAGEDTRACE_WRITER=inline``: no writer thread), ``tensors-l0`` (layer 0 with tensors) and
-``tensors-all`` (every layer with tensors), both with a 4096 MiB tensor budget, and the same two
-keeping 8 query rows a step (``tensors-l0-rows8``, ``tensors-all-rows8``: format 4's ``query_rows``).
+``metadata`` (first layer, no tensors), ``metadata-process`` (the same with
+``PAGEDTRACE_WRITER=process``: a writer thread hands the steps to the record process),
+``tensors-l0`` (layer 0 with tensors) and ``tensors-all`` (every layer with tensors), both with a
+4096 MiB tensor budget, and the same two keeping 8 query rows a step (``tensors-l0-rows8``,
+``tensors-all-rows8``: format 4's ``query_rows``).
 
 Per case it prints and writes (``--json``) the generate time and its ratio to the mode's and
 to default's untraced run, the request steps the trace recorded against the engine steps
@@ -59,8 +60,9 @@ MODES = ("default", "piecewise", "eager")
 CASES: dict[str, dict[str, Any] | None] = {
     "untraced": None,
     "metadata": {"layers": "first", "tensors": False},
-    # metadata with no writer thread: the engine's thread hands the slots over (tracer.ring.InlineWriter)
-    "metadata-inline": {"layers": "first", "tensors": False},
+    # metadata with a writer thread handing the slots over (the default until session 10: the
+    # engine's own thread hands them over, tracer.ring.InlineWriter)
+    "metadata-process": {"layers": "first", "tensors": False},
     "tensors-l0": {"layers": (0,), "tensors": True, "budget_mb": 4096.0},
     "tensors-all": {"layers": "all", "tensors": True, "budget_mb": 4096.0},
     # format 4: 8 query rows a step kept (tracer.format.rows), the KV write log whole
@@ -68,7 +70,7 @@ CASES: dict[str, dict[str, Any] | None] = {
     "tensors-all-rows8": {"layers": "all", "tensors": True, "budget_mb": 4096.0, "query_rows": 8},
 }
 #: Case -> ``PAGEDTRACE_*`` settings of its process (every other ``PAGEDTRACE_*`` is left out).
-CASE_ENV: dict[str, dict[str, str]] = {"metadata-inline": {"PAGEDTRACE_WRITER": "inline"}}
+CASE_ENV: dict[str, dict[str, str]] = {"metadata-process": {"PAGEDTRACE_WRITER": "process"}}
 #: Bytes per element of the activation dtypes a model may run in.
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 #: The untimed warm-up: a couple of short prompts outside the timed prefix.

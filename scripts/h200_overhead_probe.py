@@ -6,21 +6,27 @@ every variant once on the same 3 batches (fresh prompts per round), in an order 
 round so drift cancels. Variants:
 
 * ``untraced``
-* ``metadata``        the metadata tracer (writer waits on blocking CUDA events)
-* ``metadata-thread`` the metadata tracer with its records built on the writer thread
-                      (``PAGEDTRACE_WRITER=thread``; by default a process of their own builds them)
-* ``metadata-spin``   the same, events busy-waited (``PAGEDTRACE_EVENT_WAIT=spin``; the old tracer)
-* ``metadata-writerevent`` the same, each step's event recorded by the writer thread
+* ``metadata``        the metadata tracer as it is by default: each slot handed to the record writer
+                      process on the engine's own thread, no writer thread (``PAGEDTRACE_WRITER=inline``)
+* ``metadata-inline`` the same, said explicitly (the name session 9 and 10 runs used)
+* ``metadata-process`` the slots handed to the record writer process by a writer thread that waits
+                      on blocking CUDA events (``PAGEDTRACE_WRITER=process``, the default until
+                      session 10); the variants below keep that writer thread too:
+* ``metadata-thread`` the records built on the writer thread (``PAGEDTRACE_WRITER=thread``)
+* ``metadata-spin``   events busy-waited (``PAGEDTRACE_EVENT_WAIT=spin``; the old tracer)
+* ``metadata-writerevent`` each step's event recorded by the writer thread
                       (``PAGEDTRACE_EVENT_ON=writer``): one CUDA call less on the engine's thread
-* ``metadata-inline`` the same, each slot handed to the record writer process on the engine's own
-                      thread, no writer thread (``PAGEDTRACE_WRITER=inline``, ``tracer.ring.InlineWriter``)
-* ``metadata-parts``  the metadata tracer, each piece of its engine-thread work timed apart
+* ``metadata-parts``  the metadata tracer, each piece of its engine-thread work timed apart (with
+                      the writer thread; ``metadata-inline-parts``: the default, inline, where
+                      ``submit`` holds the hand-over, ``_handle`` and ``_end``)
 * ``metadata-nowriter`` the writer thread does nothing with a slot (records lost): the engine's share alone
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
                       thread and of the writer's handling of each slot summed (``tracer_main_ms``,
                       ``writer_ms``, per step): what it can take from a launch-bound engine at most
+                      (with a writer thread; ``metadata-inline-acct`` times the default, where the
+                      hand-over, ``writer_ms``, is part of the engine thread's ``tracer_main_ms``)
 * ``runner-off``      the wrappers only: the runner-level capture of each step does nothing
-* ``idle``            a placebo: the tracer started (its writer thread and record writer process
+* ``idle``            a placebo: the tracer started (its idle thread and record writer process
                       running) and its hooks removed at once: what the probe's own protocol costs
 * ``tensors-l0``      tensors for layer 0 (in a full-graph mode the copies were captured by a
                       tracer started before the engine, then stopped: ``tracer.staging``)
@@ -62,6 +68,18 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 VARIANTS = ("untraced", "metadata", "metadata-spin", "runner-off", "tensors-l0")
+
+#: ``PAGEDTRACE_WRITER`` of the variants that are not the default ``inline``: those measured with
+#: a writer thread before inline became the default keep it, so their figures stay comparable.
+WRITER_OF = {
+    "metadata-thread": "thread",
+    "metadata-process": "process",
+    "metadata-spin": "process",
+    "metadata-writerevent": "process",
+    "metadata-parts": "process",
+    "metadata-nowriter": "process",
+    "metadata-acct": "process",
+}
 
 
 def main() -> None:
@@ -209,9 +227,7 @@ def main() -> None:
             s, tok = timed(bs)
             return s, tok, {"gc_s": round(gc_pause[0], 4), **step_stats()}
         os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
-        os.environ["PAGEDTRACE_WRITER"] = {"metadata-thread": "thread", "metadata-inline": "inline"}.get(
-            variant, "process"
-        )
+        os.environ["PAGEDTRACE_WRITER"] = WRITER_OF.get(variant, "inline")
         os.environ["PAGEDTRACE_EVENT_ON"] = "writer" if variant == "metadata-writerevent" else "engine"
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
@@ -228,7 +244,7 @@ def main() -> None:
         spent = {"main_s": 0.0, "writer_s": 0.0}
         undo: list = []
         acct: dict = {}
-        if variant == "metadata-parts":
+        if variant.endswith("-parts"):
             # Where the engine thread's share goes: each piece timed on its own (``parts_us_per_step``).
             import tracer.hooks as hooks_module
 

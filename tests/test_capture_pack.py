@@ -148,7 +148,13 @@ def test_tensors_copied_as_given_give_the_records_the_sliced_rows_give(monkeypat
         if as_given:  # every row and column of the runner's tensors went, the views keep the step's
             assert views.packed.like["block_table"][1] == tuple(md.block_table.shape)
             assert views.packed.trim == {"query_start_loc": 6, "seq_lens": 5, "block_table": 5, "slot_mapping": 7}
-        sent = _lists(host_message(views))  # what the record process makes of it, before any view
+        message = host_message(views)
+        sent = _lists(message)  # what the record process makes of it, before any view
+        if as_given:  # it is sent the step's rows of the columns read, not the padded rows of every column
+            table = next(part for part in message["packed"][1] if part[0] == "block_table")
+            assert table[2:] == [[num_reqs, cols], num_reqs * cols, -1]
+            assert sent["block_table"] == md.block_table[:num_reqs, :cols].tolist()
+            assert len(message["packed"][0]) == 4 * sum(part[3] for part in message["packed"][1])
         slot.make_views()
         assert views["block_table"].shape == (num_reqs, md.block_table.shape[1] if as_given else cols)
         assert torch.equal(views["block_table"], md.block_table[:num_reqs, : views["block_table"].shape[1]])

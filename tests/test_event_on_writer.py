@@ -95,6 +95,7 @@ def test_the_writer_records_on_the_left_stream_before_it_waits_and_reads(fake_cu
 
 def test_the_engine_thread_leaves_the_event_and_records_none(tmp_path, monkeypatch, fake_cuda):
     monkeypatch.setenv("PAGEDTRACE_EVENT_ON", "writer")
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "process")  # the event is left to a writer thread: inline has none
     t = Tracer(TracerOptions(str(tmp_path / "t")))
     recorded = []
     monkeypatch.setattr(tracer.hooks, "record_event", lambda *a, **k: recorded.append(a))

@@ -157,8 +157,8 @@ def test_bench_compares_against_the_untraced_runs(bench):
 def test_a_case_gets_its_own_writer_setting_and_no_other(bench, monkeypatch):
     monkeypatch.setenv("PAGEDTRACE_WRITER", "thread")  # from outside: never reaches a case
     monkeypatch.setenv("PAGEDTRACE_RING_SLOTS", "2")
-    inline = bench.child_env("piecewise", "metadata-inline")
-    assert inline["PAGEDTRACE_WRITER"] == "inline" and "PAGEDTRACE_RING_SLOTS" not in inline
+    process = bench.child_env("piecewise", "metadata-process")
+    assert process["PAGEDTRACE_WRITER"] == "process" and "PAGEDTRACE_RING_SLOTS" not in process
     assert not any(k.startswith("PAGEDTRACE_") for k in bench.child_env("piecewise", "metadata"))
 
 
@@ -266,7 +266,7 @@ def test_benchmark_cpu_invocation(tmp_path):
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
     flags = ["--model", "tiny", "--modes", "eager", "--prompts", "4", "--prompt-len", "20:40", "--max-tokens", "8"]
-    flags += ["--cases", "untraced,metadata,metadata-inline,tensors-l0,tensors-all,tensors-l0-rows8"]
+    flags += ["--cases", "untraced,metadata,metadata-process,tensors-l0,tensors-all,tensors-l0-rows8"]
     proc = subprocess.run(
         [sys.executable, str(BENCH), *flags, "--batches", "2", "--json", str(out), "--md", str(md)],
         capture_output=True,
@@ -278,7 +278,7 @@ def test_benchmark_cpu_invocation(tmp_path):
     report = json.loads(out.read_text())
     assert report["vllm_version"] == "0.26.0" and report["machine"]
     cases = {c["case"]: c for c in report["cases"]}
-    assert list(cases) == ["untraced", "metadata", "metadata-inline", "tensors-l0", "tensors-all", "tensors-l0-rows8"]
+    assert list(cases) == ["untraced", "metadata", "metadata-process", "tensors-l0", "tensors-all", "tensors-l0-rows8"]
     assert all(c["mode"] == "eager" and c["crash"] is None for c in cases.values())
     for name, c in cases.items():
         assert c["tokens"]["generated"] == c["tokens"]["expected"] == 4 * 8 * 2
@@ -296,7 +296,7 @@ def test_benchmark_cpu_invocation(tmp_path):
         assert c["tokens"]["in_trace"] == c["tokens"]["expected"]
         assert set(c["cudagraph_steps"]) <= {"none", "unrecorded"}
         assert c["trace_bytes"] > 0
-        layers = {"metadata": 1, "metadata-inline": 1, "tensors-l0": 1, "tensors-all": 2, "tensors-l0-rows8": 1}[name]
+        layers = {"metadata": 1, "metadata-process": 1, "tensors-l0": 1, "tensors-all": 2, "tensors-l0-rows8": 1}[name]
         assert c["layers"] == layers and c["layer_steps"] == layers * steps["recorded"]
         tensors = c["tensors"]
         if name.startswith("metadata"):

@@ -71,7 +71,7 @@ def test_the_process_writes_what_the_thread_writes(tmp_path, monkeypatch):
 def test_a_bad_writer_setting_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDTRACE_WRITER", "elsewhere")
     with pytest.raises(
-        ValueError, match=r"^PAGEDTRACE_WRITER='elsewhere': expected 'process' or 'thread' or 'inline'$"
+        ValueError, match=r"^PAGEDTRACE_WRITER='elsewhere': expected 'inline' or 'process' or 'thread'$"
     ):
         Tracer(TracerOptions(str(tmp_path / "t")))
 

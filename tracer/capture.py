@@ -57,6 +57,9 @@ class Packed:
     widths: tuple[int, ...]
     like: dict[str, tuple[Any, tuple[int, ...]]]  #: part -> (dtype, shape), in the caller's order
     trim: dict[str, int]  #: part -> leading rows its view keeps (all when absent)
+    #: block-table columns the step reads, when the copy holds every column (``as_given``): the
+    #: record process is sent these only (``tracer.writer_process.host_message``)
+    cols: int | None = None
 
 
 class PackedViews(dict):
@@ -89,7 +92,7 @@ def queue_host_copies(
     """
     key = str(len(slot.payload["hosts"]))
     parts, trim = metadata_parts(md, num_reqs, num_tokens, cols, as_given=as_given)
-    host = pack_host_copies(slot, key, parts, pin=md.block_table.is_cuda, trim=trim)
+    host = pack_host_copies(slot, key, parts, pin=md.block_table.is_cuda, trim=trim, cols=cols if trim else None)
     if host is not None:
         return host
     views = {name: slot.host(key + name, src) for name, src in parts.items()}
@@ -130,7 +133,13 @@ def metadata_parts(
 
 
 def pack_host_copies(
-    slot: Slot, name: str, parts: dict[str, Any], *, pin: bool, trim: dict[str, int] | None = None
+    slot: Slot,
+    name: str,
+    parts: dict[str, Any],
+    *,
+    pin: bool,
+    trim: dict[str, int] | None = None,
+    cols: int | None = None,
 ) -> dict[str, Any] | None:
     """Queue ``parts`` (int32 / int64 tensors of one device) into ``slot`` with one copy.
 
@@ -147,7 +156,8 @@ def pack_host_copies(
     order; they hold the values once the slot's event has fired (at once without ``pin``).
     Making them is left to the writer because each tensor operation costs the engine's thread
     microseconds; the record writer process gets the buffer itself (``PackedViews.packed``).
-    ``trim``: part -> how many leading rows the views keep (``metadata_parts``' ``as_given``).
+    ``trim``: part -> how many leading rows the views keep (``metadata_parts``' ``as_given``);
+    ``cols``: then, the block-table columns the step reads (``Packed.cols``).
     None, with nothing queued, when a part is neither int32 nor int64. The flattening is kept
     for the next step whose parts are the same memory (:data:`_PLANS`): then the step costs the
     engine's thread two tensor operations, the ``cat`` and the copy.
@@ -158,7 +168,7 @@ def pack_host_copies(
     host = slot.host_prefix(name, plan.total, plan.int32, pin=pin, sources=parts.values())
     host.copy_(plan.cat(plan.flat), non_blocking=pin)
     views = PackedViews()
-    views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {})
+    views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {}, cols)
     slot.view_makers.append(functools.partial(_fill_views, views))
     return views
 

@@ -61,9 +61,9 @@ class TraceSink:
         #: Without tensors the records are built and written by a process of their own (off the
         #: engine's GIL: ``tracer.writer_process``), unless ``PAGEDTRACE_WRITER=thread``.
         mode = writer_mode()
-        #: ``PAGEDTRACE_WRITER=inline``: the engine's thread hands each slot to the record process
-        #: (``tracer.ring.InlineWriter``), :data:`INLINE_BATCH` messages a write; a tensor trace keeps
-        #: its writer thread
+        #: ``PAGEDTRACE_WRITER=inline`` (the default): the engine's thread hands each slot to the record
+        #: process (``tracer.ring.InlineWriter``), :data:`INLINE_BATCH` messages a write; a tensor
+        #: trace keeps its writer thread
         self.inline = mode == "inline" and not options.tensors
         self.records_out = (
             RecordProcess(self.directory, batch=INLINE_BATCH if self.inline else 1)
