@@ -525,3 +525,25 @@ def test_an_impl_without_instance_attributes_keeps_the_wrapper(tmp_path):
     t._bypass_untraced()
     assert t._bypassed == [] and t._to_bypass == []
     assert Impl().forward(types.SimpleNamespace(layer_name="x"), None, None, None, None, None, "out") == "out"
+
+
+def test_a_steps_request_ids_are_made_once_for_the_same_batch_and_anew_when_it_changes(tmp_path):
+    import types
+
+    t = Tracer(TracerOptions(str(tmp_path / "t")))
+    t._v2_req_ids = ("a", "b", "c")
+    first = t._req_ids(3)
+    assert first == ("a", "b", "c")
+    t._v2_req_ids = ("a", "b", "c")  # the next decode step: a new tuple of the same strings
+    assert t._req_ids(3) is first
+    assert t._req_ids(4) == ("a", "b", "c", "")
+    t._v2_req_ids = ("a", "d", "c")
+    assert t._req_ids(3) == ("a", "d", "c")
+    # the V1 runner's list, changed in place between steps
+    t._v2_req_ids, t._phase = None, ["request"]
+    ids = ["r1", "r2"]
+    t._runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=ids))
+    assert t._req_ids(2) == ("r1", "r2")
+    ids[1] = "r3"
+    assert t._req_ids(2) == ("r1", "r3")
+    assert t._req_ids(1) == ("r1",)

@@ -180,3 +180,58 @@ def test_a_real_engine_traced_inline_records_what_the_writer_thread_records(inli
         # vLLM numbers requests per run and adds a random suffix: the numbers must agree
         assert [i.split("-")[0] for i in r.request_ids] == [i.split("-")[0] for i in w.request_ids]
     assert inline.run.extra["finished"] is True and not inline.problems
+
+
+#: The fake engine in a multiprocessing child, as vLLM's engine core runs under ``vllm serve``: it
+#: ends through ``os._exit`` without ``stop()`` (no atexit handler runs there), its last steps
+#: still held on the engine's side (an idle hand-over that never comes).
+ENGINE_CORE = """
+import multiprocessing, sys
+sys.path.insert(0, sys.argv[2])
+
+
+def engine_core(directory):
+    from pathlib import Path
+
+    from tests import test_writer_process as w
+    from tests.test_hooks import _fake_step_engine
+
+    t, runner, sched, md = _fake_step_engine(Path(directory))
+    t._thread.close()
+    t.start()  # in this process, as the plugin starts it
+    t._thread._idle_s = 3600.0
+    t._test_engine = (t, runner, sched, md)
+    w._steps(t, 3)
+    assert t._sink.records_out._held  # three steps' messages, not yet written
+    print(t._sink.records_out.pid, flush=True)
+
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("fork").Process(target=engine_core, args=(sys.argv[1],))
+    child.start()
+    child.join()
+    print("exit", child.exitcode, flush=True)
+"""
+
+
+def test_an_engine_core_process_that_ends_without_stop_hands_its_held_steps_over(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.test_writer_process import ROOT, _wait_ended
+
+    script = tmp_path / "engine_core.py"
+    script.write_text(ENGINE_CORE)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=engine_env(PAGEDTRACE_WRITER="inline"),
+    )
+    lines = proc.stdout.split()
+    assert proc.returncode == 0 and lines[-2:] == ["exit", "0"], proc.stdout[-2000:] + proc.stderr[-3000:]
+    _wait_ended(int(lines[-3]))  # the record process writes what it got, then ends
+    trace = Trace.open(tmp_path / "trace", strict=False)
+    assert trace.problems == [] and [r.step for r in trace.records] == [0, 1, 2]
+    assert trace.run.extra["finished"] is True  # stop() ran: the multiprocessing finalizer

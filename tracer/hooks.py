@@ -42,6 +42,7 @@ import atexit
 import contextlib
 import functools
 import logging
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -163,6 +164,9 @@ class Tracer:
         self._seen_layers: set[str] = set()
         self._gap_noted_step = -1
         self._v2_req_ids: tuple[str, ...] | None = None
+        #: the last step's request ids as the runner gave them, and as :meth:`_req_ids` made them
+        self._ids_made: tuple[Any, tuple[str, ...]] | None = None
+        self._finalizer: multiprocessing.util.Finalize | None = None  #: ``stop`` when a multiprocessing child ends
         self._fc: tuple[Any, str, int | None] | None = None  # set_forward_context's metadata, mode, padded size
         self._dispatch: tuple[str, int | None] | None = None  # the V2 runner's graph choice
         self._fwd_md: dict[str, Any] = {}  # request steps: the metadata forward() saw, per layer
@@ -205,6 +209,11 @@ class Tracer:
                 self._env_backup = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
         atexit.register(self._atexit)
+        # A multiprocessing child (vLLM's engine core under ``vllm serve``) ends through
+        # ``os._exit``: no atexit handler runs there, only multiprocessing's finalizers (after
+        # vLLM's SIGTERM handler raised SystemExit). The steps the engine's thread had not yet
+        # handed over (``PAGEDTRACE_WRITER=inline``) go to the record process then.
+        self._finalizer = multiprocessing.util.Finalize(None, self._atexit, exitpriority=100)
         return self
 
     def _writer_thread(self) -> WriterThread | InlineWriter:
@@ -249,6 +258,9 @@ class Tracer:
                 self._env_backup = {}
                 _ACTIVE = None
                 atexit.unregister(self._atexit)
+                if self._finalizer is not None:
+                    self._finalizer.cancel()
+                    self._finalizer = None
 
     def drain(self) -> None:
         """Wait until every step so far is on disk (tests, and readers of a live trace)."""
@@ -507,8 +519,14 @@ class Tracer:
             ids = getattr(batch, "req_ids", None)
         if ids is None:
             return ("",) * num_reqs
-        ids = tuple(map(str, (ids if isinstance(ids, (list, tuple)) else list(ids))[:num_reqs]))
-        return ids + ("",) * (num_reqs - len(ids))
+        given = tuple(ids)
+        made = self._ids_made
+        if made is not None and len(made[1]) == num_reqs and made[0] == given:
+            return made[1]  # a decode step's batch is the last step's (the same strings: compared by identity)
+        out = tuple(map(str, given[:num_reqs]))
+        out += ("",) * (num_reqs - len(out))
+        self._ids_made = (given, out)
+        return out
 
     def _end_step(self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict) -> None:
         self.untraced_now = {}  # the fast path holds inside request steps only

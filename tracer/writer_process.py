@@ -107,24 +107,42 @@ def _packed_message(packed: Any) -> list[Any]:
             for k, w in zip(packed.order, packed.widths, strict=True)
         ]
         return [ctypes.string_at(address, 4 * total), parts]
-    import numpy  # the engine's process only (the child never builds a message)
-
-    values = numpy.frombuffer((ctypes.c_char * (4 * total)).from_address(address), dtype=numpy.int32)
-    pieces: list[bytes] = []
+    values = _int32_at(address, total)
+    rows = packed.trim.get("block_table", shape[0])  # the step's (leading) rows
     parts = []
-    offset = 0  # int32 elements
+    offset = start = 0  # int32 elements: the part's, and where the block table starts
     for k, w in zip(packed.order, packed.widths, strict=True):
-        dtype, like = packed.like[k]
-        rows = packed.trim.get(k, -1)
+        dtype = _DTYPE_STR[str(packed.like[k][0])]
         if k == "block_table":
-            n = like[0] if rows < 0 else rows
-            pieces.append(values[offset : offset + w].reshape(like)[:n, :cols].tobytes())
-            parts.append([k, _DTYPE_STR[str(dtype)], [n, cols], n * cols, -1])
+            start = offset
+            parts.append([k, dtype, [rows, cols], rows * cols, -1])
         else:
-            pieces.append(values[offset : offset + w].tobytes())
-            parts.append([k, _DTYPE_STR[str(dtype)], list(like), w, rows])
+            parts.append([k, dtype, list(packed.like[k][1]), w, packed.trim.get(k, -1)])
         offset += w
-    return [b"".join(pieces), parts]
+    end = start + shape[0] * shape[1]
+    table = values[start:end].reshape(shape)[:rows, :cols].tobytes()
+    return [values[:start].tobytes() + table + values[end:].tobytes(), parts]
+
+
+#: (address, int32 count) -> a numpy array over that memory (:func:`_int32_at`)
+_ARRAYS: dict[tuple[int, int], Any] = {}
+
+
+def _int32_at(address: int, count: int) -> Any:
+    """A numpy int32 array over ``count`` ints at ``address`` (no copy), kept for the next call.
+
+    A slot's host buffer is reused step after step, so the same few arrays come back; making
+    one costs a ctypes type and an array. Read only while a live buffer of that size is there.
+    """
+    values = _ARRAYS.get((address, count))
+    if values is None:
+        import numpy  # the engine's process only (the child never builds a message)
+
+        if len(_ARRAYS) >= 256:
+            _ARRAYS.clear()
+        memory = memoryview((ctypes.c_char * (4 * count)).from_address(address)).cast("B")
+        values = _ARRAYS[(address, count)] = numpy.frombuffer(memory, dtype=numpy.int32)
+    return values
 
 
 def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
