@@ -69,6 +69,26 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 VARIANTS = ("untraced", "metadata", "metadata-spin", "runner-off", "tensors-l0")
 
+#: Every variant the probe runs (the module's docstring says what each is).
+KNOWN_VARIANTS = (
+    "untraced",
+    "metadata",
+    "metadata-inline",
+    "metadata-process",
+    "metadata-thread",
+    "metadata-spin",
+    "metadata-writerevent",
+    "metadata-parts",
+    "metadata-inline-parts",
+    "metadata-nowriter",
+    "metadata-acct",
+    "metadata-inline-acct",
+    "runner-off",
+    "idle",
+    "tensors-l0",
+    "tensors-l0-ring8",
+)
+
 #: ``PAGEDTRACE_WRITER`` of the variants that are not the default ``inline``: those measured with
 #: a writer thread before inline became the default keep it, so their figures stay comparable.
 WRITER_OF = {
@@ -103,8 +123,11 @@ def main() -> None:
         "the steps that ran at full clock",
     )
     args = ap.parse_args()
-    sampler = _start_sampler(args.clocks) if args.clocks else None
     variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in KNOWN_VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(KNOWN_VARIANTS)})")
+    sampler = _start_sampler(args.clocks) if args.clocks else None
     import tracer
     from tracer.loader import register_loader
     from tracer.session import SessionConfig, make_prompts, resolve_model

@@ -96,3 +96,21 @@ def test_a_printed_output_belongs_to_the_json_before_it(analysis, tmp_path):
 def test_a_bad_pair_is_one_line(analysis, tmp_path, capsys):
     assert analysis.main([_run(tmp_path, "r.json", [1.0]), "--pair", "metadata"]) == 2
     assert capsys.readouterr().err.strip() == "probe_analysis: --pair 'metadata': expected TOP/BOTTOM, two variants"
+
+
+def test_the_probe_rejects_an_unknown_variant_before_it_starts_an_engine():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).resolve().parent.parent / "scripts" / "h200_overhead_probe.py"
+    proc = subprocess.run(
+        [sys.executable, str(probe), "--variants", "untraced,metadata-inlien"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].startswith(
+        "h200_overhead_probe.py: error: --variants: unknown metadata-inlien ("
+    )
