@@ -1,9 +1,10 @@
 """What a metadata trace costs a launch-bound engine's thread, on CPU, without vLLM or a GPU.
 
 PIECEWISE on the H200 is bound by the engine's Python thread: every microsecond the tracer
-takes on it, and every microsecond its writer thread holds the GIL, lengthens the step. This
-script measures both on any machine, through the tracer's real wrappers, ring, writer thread
-and record writer process: a stand-in engine step calls the runner wrapper, the
+takes on it, and every microsecond a writer thread holds the GIL, lengthens the step. This
+script measures both on any machine, through the tracer's real wrappers, ring, hand-over (the
+engine's own thread by default, or a writer thread: ``--writers``) and record writer process: a
+stand-in engine step calls the runner wrapper, the
 ``set_forward_context`` wrapper and ``--layers`` attention ``forward`` wrappers, and between
 the layers does ``--ops`` small torch operations each (which release the GIL, as vLLM's
 launches do), so a step takes about as long as a PIECEWISE decode step of the benchmark
@@ -254,8 +255,8 @@ def main() -> None:
     ap.add_argument("--trace-layers", default="first", help="what the tracer records (--layers of pagedtrace run)")
     ap.add_argument(
         "--writers",
-        default="process,inline",
-        help="PAGEDTRACE_WRITER settings to time against untraced (process, thread, inline)",
+        default="inline,process",
+        help="PAGEDTRACE_WRITER settings to time against untraced (inline, the default; process; thread)",
     )
     args = ap.parse_args()
     from tracer.format import parse_layers
