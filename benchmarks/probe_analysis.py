@@ -16,6 +16,9 @@ against ``untraced`` with a 95 % bootstrap interval over rounds (the probe's ``p
    ``host.vol`` in the probe's round lines): a thread that waits for the GIL another thread holds
    sleeps on it.
 
+Variants that time the engine thread's share (``*-parts``, ``*-acct``) also get a line of its
+pieces, median µs a step over their passes.
+
     python3 benchmarks/probe_analysis.py RUN.json [RUN.txt] [RUN2.json ...] [--pair A/B] [--quiet 0.03] [--slow 1.25]
 
 ``RUN.txt`` (the probe's printed output, right after its JSON) supplies each pass's figures for
@@ -137,6 +140,31 @@ def report_run(run: dict[str, Any], stats: dict[str, Any], args: argparse.Namesp
         all_s = "1" if v == "untraced" else interval(v, every)
         quiet_s = "1" if v == "untraced" else interval(v, quiet)
         print(f"{v:22s} {all_s:24s} {quiet_s:24s} {share:10.1%} {extra * 1e3:8.1f}ms {blocked}")
+    for v in variants:
+        line = pieces_line(stats.get(v, []))
+        if line:
+            print(f"{v}: {line}")
+
+
+def pieces_line(passes: list[dict[str, Any]]) -> str:
+    """What a timed variant's passes say of the engine thread's share: median µs a step over passes.
+
+    ``metadata-parts`` / ``metadata-inline-parts`` time each piece (``parts_us_per_step``, largest
+    first); ``metadata-acct`` / ``metadata-inline-acct`` the tracer's calls in all
+    (``main_us_per_step``) and the hand-over (``writer_us_per_step``). Empty for other variants.
+    """
+    parts = [p["parts_us_per_step"] for p in passes if p.get("parts_us_per_step")]
+    out = []
+    if parts:
+        names = {name for p in parts for name in p}
+        medians = {name: statistics.median(p.get(name, 0.0) for p in parts) for name in names}
+        listed = ", ".join(f"{name} {us:g}" for name, us in sorted(medians.items(), key=lambda kv: -kv[1]))
+        out.append(f"pieces, median µs a step over {len(parts)} passes: {listed}")
+    for key, label in (("main_us_per_step", "tracer calls"), ("writer_us_per_step", "hand-over")):
+        values = [p[key] for p in passes if key in p]
+        if values:
+            out.append(f"{label} {statistics.median(values):g} µs a step (median of {len(values)} passes)")
+    return "; ".join(out)
 
 
 def _interval(values: list[float], paired_interval) -> str:

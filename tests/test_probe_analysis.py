@@ -114,3 +114,17 @@ def test_the_probe_rejects_an_unknown_variant_before_it_starts_an_engine():
     assert proc.stderr.splitlines()[-1].startswith(
         "h200_overhead_probe.py: error: --variants: unknown metadata-inlien ("
     )
+
+
+def test_a_timed_variants_pieces_are_the_medians_over_its_passes(analysis):
+    passes = [
+        {"parts_us_per_step": {"queue_host_copies": 40.0, "submit": 30.0}, "main_us_per_step": 150.0},
+        {"parts_us_per_step": {"queue_host_copies": 60.0, "submit": 10.0}, "main_us_per_step": 170.0},
+        {"parts_us_per_step": {"queue_host_copies": 50.0}, "main_us_per_step": 160.0},
+    ]
+    line = analysis.pieces_line(passes)
+    assert line == (
+        "pieces, median µs a step over 3 passes: queue_host_copies 50, submit 10; "
+        "tracer calls 160 µs a step (median of 3 passes)"
+    )
+    assert analysis.pieces_line([{"host": {"vol": 4}}]) == ""
