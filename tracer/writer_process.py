@@ -101,24 +101,21 @@ def _packed_message(packed: Any) -> list[Any]:
     address = packed.host.data_ptr()
     shape = packed.like.get("block_table", (None, ()))[1]
     cols = packed.cols
-    if cols is None or len(shape) != 2 or cols >= shape[1]:
-        parts = [
-            [k, _DTYPE_STR[str(packed.like[k][0])], list(packed.like[k][1]), w, packed.trim.get(k, -1)]
-            for k, w in zip(packed.order, packed.widths, strict=True)
-        ]
-        return [ctypes.string_at(address, 4 * total), parts]
-    values = _int32_at(address, total)
-    rows = packed.trim.get("block_table", shape[0])  # the step's (leading) rows
+    cut = cols is not None and len(shape) == 2 and cols < shape[1]  # send the columns read only
+    rows = packed.trim.get("block_table", shape[0] if shape else 0)  # the step's (leading) rows
     parts = []
     offset = start = 0  # int32 elements: the part's, and where the block table starts
     for k, w in zip(packed.order, packed.widths, strict=True):
         dtype = _DTYPE_STR[str(packed.like[k][0])]
-        if k == "block_table":
+        if cut and k == "block_table":
             start = offset
             parts.append([k, dtype, [rows, cols], rows * cols, -1])
         else:
             parts.append([k, dtype, list(packed.like[k][1]), w, packed.trim.get(k, -1)])
         offset += w
+    if not cut:
+        return [ctypes.string_at(address, 4 * total), parts]
+    values = _int32_at(address, total)
     end = start + shape[0] * shape[1]
     table = values[start:end].reshape(shape)[:rows, :cols].tobytes()
     return [values[:start].tobytes() + table + values[end:].tobytes(), parts]
