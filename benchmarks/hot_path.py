@@ -173,11 +173,17 @@ def _pass(args: argparse.Namespace, traced: bool, blocked: list[float] | None = 
 TRACER_CALLS = ("_begin_step", "_end_step", "_on_forward")
 
 
+#: Regions of the record process's shared host memory (``tracer.shared_host``): a region's first
+#: use of a size makes its view (one slice), and the steady state comes after every region's.
+REGIONS = 128
+
+
 def _measured_steps(args: argparse.Namespace, steps: int, around, after_step=None) -> None:
     """A fresh traced stand-in: warmed up, then ``steps`` steps with each of :data:`TRACER_CALLS`
     run inside ``around()`` (a context manager), ``after_step()`` after each; the trace closed."""
     step, t = _fake_engine(args, tempfile.mkdtemp(prefix="pagedtrace-hot-"))
-    for _ in range(100):  # every slot in use has its pinned buffer
+    # every slot in use has its pinned buffer, every region of the shared host memory its view
+    for _ in range(REGIONS + 20):
         step()
     t.drain()
     for name in TRACER_CALLS:

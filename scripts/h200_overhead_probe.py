@@ -19,6 +19,10 @@ round so drift cancels. Variants:
 * ``metadata-parts``  the metadata tracer, each piece of its engine-thread work timed apart (with
                       the writer thread; ``metadata-inline-parts``: the default, inline, where
                       ``submit`` holds the hand-over, ``_handle`` and ``_end``)
+* ``metadata-pipe``   the default, but the steps' copies land in the slots' own pinned buffers and
+                      their bytes go down the pipe to the record process (``PAGEDTRACE_HOST=pipe``,
+                      as before session 11; the default lands them in memory that process maps,
+                      ``tracer.shared_host``); ``metadata-pipe-parts`` times its pieces
 * ``metadata-nowriter`` the writer thread does nothing with a slot (records lost): the engine's share alone
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
                       thread and of the writer's handling of each slot summed (``tracer_main_ms``,
@@ -80,6 +84,8 @@ KNOWN_VARIANTS = (
     "metadata-writerevent",
     "metadata-parts",
     "metadata-inline-parts",
+    "metadata-pipe",
+    "metadata-pipe-parts",
     "metadata-nowriter",
     "metadata-acct",
     "metadata-inline-acct",
@@ -252,6 +258,8 @@ def main() -> None:
         os.environ["PAGEDTRACE_EVENT_WAIT"] = "spin" if variant == "metadata-spin" else "blocking"
         os.environ["PAGEDTRACE_WRITER"] = WRITER_OF.get(variant, "inline")
         os.environ["PAGEDTRACE_EVENT_ON"] = "writer" if variant == "metadata-writerevent" else "engine"
+        # metadata-pipe: the copies land in the slots' own buffers and their bytes go down the pipe
+        os.environ["PAGEDTRACE_HOST"] = "pipe" if variant.startswith("metadata-pipe") else "shared"
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
         kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}
@@ -314,6 +322,7 @@ def main() -> None:
         os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
         os.environ.pop("PAGEDTRACE_WRITER", None)
         os.environ.pop("PAGEDTRACE_EVENT_ON", None)
+        os.environ.pop("PAGEDTRACE_HOST", None)
         if variant.startswith("metadata") and variant != "metadata-nowriter":
             acct["check"] = _check_trace(directory)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)

@@ -216,11 +216,13 @@ def test_packed_steps_write_what_separate_copies_write(tmp_path, monkeypatch, mo
     import tracer.hooks
     from tests.test_hooks import _fake_step_engine
     from tests.test_writer_process import _steps
+    from tracer import capture
 
     calls = []
 
-    def separate(slot, md, num_reqs, num_tokens, cols, as_given=False):  # one copy per tensor, as before
-        calls.append(num_tokens)
+    def separate(slot, md, num_reqs, num_tokens, cols, as_given=False, shared=None, block_size=0):
+        calls.append(num_tokens)  # one copy per tensor, as before
+        cols = cols if cols is not None else capture.read_columns(md, block_size)
         key = str(len(slot.payload["hosts"]))
         return {n: slot.host(key + n, src) for n, src in _parts(md, num_reqs, num_tokens, cols).items()}
 

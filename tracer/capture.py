@@ -4,9 +4,10 @@ Called by ``tracer.hooks`` at the end of a runner step (metadata) and in ``forwa
 nothing here waits for the device. A KV-cache group's four metadata tensors (``slot_mapping``,
 ``query_start_loc``, ``seq_lens``, the block-table columns read) cost one device-to-host copy
 a step: :func:`pack_host_copies` packs them on the device into one int32 tensor, which one
-non-blocking copy moves into a ring slot's pinned buffer (``tracer.ring.Slot``); the writer
-thread sends that buffer as it is to the record writer process, or cuts it into the four
-host views before it reads them. Every CUDA call and tensor operation here costs the
+non-blocking copy moves into a pinned host buffer: a region of the memory the record writer
+process maps (``tracer.shared_host``), so the message to it names the place, or else the ring
+slot's own buffer (``tracer.ring.Slot``), whose bytes the message carries; a tensor trace's
+writer thread cuts it into the four host views before it reads them. Every CUDA call and tensor operation here costs the
 engine's thread microseconds (a copy ~35 µs on the H200 under vLLM), hence one copy, not
 four, and a metadata step's tensors copied as the runner gave them when they are small (no
 slicing on the engine's thread, no kernel to flatten a column slice; the writer keeps the
@@ -26,6 +27,7 @@ from typing import Any
 from tracer.manifest import kv_layout_of
 from tracer.pending import LayerStatic
 from tracer.ring import Slot
+from tracer.shared_host import SharedHost
 from tracer.writelog import clone_read_blocks, columns_read, gather_written, geometry_of
 
 __all__ = [
@@ -60,6 +62,9 @@ class Packed:
     #: block-table columns the step reads, when the copy holds every column (``as_given``): the
     #: record process is sent these only (``tracer.writer_process.host_message``)
     cols: int | None = None
+    #: byte offset of ``host`` in the memory the record process maps (``tracer.shared_host``):
+    #: the message names it instead of carrying the bytes; None: the slot's own buffer
+    shared: int | None = None
 
 
 class PackedViews(dict):
@@ -78,7 +83,15 @@ def read_columns(md: Any, block_size: int) -> int:
 
 
 def queue_host_copies(
-    slot: Slot, md: Any, num_reqs: int, num_tokens: int, cols: int, *, as_given: bool = False
+    slot: Slot,
+    md: Any,
+    num_reqs: int,
+    num_tokens: int,
+    cols: int | None,
+    *,
+    as_given: bool = False,
+    shared: SharedHost | None = None,
+    block_size: int = 0,
 ) -> dict[str, Any]:
     """Copies of the step's metadata tensors into ``slot`` (non-blocking on CUDA); the host views they fill.
 
@@ -89,10 +102,20 @@ def queue_host_copies(
     leave the cutting to the step's rows to the writer: each slice is one more tensor operation
     on the engine's thread (~15 µs apiece on the H200 host under vLLM), the copy engine's few
     extra kilobytes cost it nothing. The views are the step's rows either way.
+
+    ``shared``: the packed copy goes into a region of the memory the record writer process maps,
+    when one is free (``SharedHost.take``). ``cols`` None: the block-table columns the step reads
+    are worked out (``read_columns``, with ``block_size``) only where they are needed: to cut
+    the table on the device, or to send fewer bytes from the slot's own buffer. A copy into
+    shared memory needs them in neither way (the record process cuts every row to its blocks).
     """
     key = str(len(slot.payload["hosts"]))
-    parts, trim = metadata_parts(md, num_reqs, num_tokens, cols, as_given=as_given)
-    host = pack_host_copies(slot, key, parts, pin=md.block_table.is_cuda, trim=trim, cols=cols if trim else None)
+    if cols is None and not (as_given and shared is not None and _fits_as_given(md)):
+        cols = read_columns(md, block_size)
+    parts, trim = metadata_parts(md, num_reqs, num_tokens, cols or 0, as_given=as_given)
+    host = pack_host_copies(
+        slot, key, parts, pin=md.block_table.is_cuda, trim=trim, cols=cols if trim else None, shared=shared
+    )
     if host is not None:
         return host
     views = {name: slot.host(key + name, src) for name, src in parts.items()}
@@ -115,21 +138,29 @@ def metadata_parts(
         "block_table": num_reqs,
         "slot_mapping": num_tokens,
     }
-    if as_given:
-        given = {
+    if as_given and _fits_as_given(md):
+        return {
             "query_start_loc": md.query_start_loc,
             "seq_lens": md.seq_lens,
             "block_table": md.block_table,
             "slot_mapping": md.slot_mapping,
-        }
-        if all(t.numel() <= AS_GIVEN_MAX for t in given.values()):
-            return given, wanted
+        }, wanted
     return {
         "query_start_loc": md.query_start_loc[: num_reqs + 1],
         "seq_lens": md.seq_lens[:num_reqs],
         "block_table": md.block_table[:num_reqs, :cols],
         "slot_mapping": md.slot_mapping[:num_tokens],
     }, None
+
+
+def _fits_as_given(md: Any) -> bool:
+    """Every metadata tensor of ``md`` is small enough to copy as the runner gave it (:data:`AS_GIVEN_MAX`)."""
+    return (
+        md.block_table.numel() <= AS_GIVEN_MAX
+        and md.slot_mapping.numel() <= AS_GIVEN_MAX
+        and md.seq_lens.numel() <= AS_GIVEN_MAX
+        and md.query_start_loc.numel() <= AS_GIVEN_MAX
+    )
 
 
 def pack_host_copies(
@@ -140,6 +171,7 @@ def pack_host_copies(
     pin: bool,
     trim: dict[str, int] | None = None,
     cols: int | None = None,
+    shared: SharedHost | None = None,
 ) -> dict[str, Any] | None:
     """Queue ``parts`` (int32 / int64 tensors of one device) into ``slot`` with one copy.
 
@@ -157,7 +189,8 @@ def pack_host_copies(
     Making them is left to the writer because each tensor operation costs the engine's thread
     microseconds; the record writer process gets the buffer itself (``PackedViews.packed``).
     ``trim``: part -> how many leading rows the views keep (``metadata_parts``' ``as_given``);
-    ``cols``: then, the block-table columns the step reads (``Packed.cols``).
+    ``cols``: then, the block-table columns the step reads (``Packed.cols``). ``shared``: the host
+    buffer is a region of the record process's memory when one is free (``Packed.shared``).
     None, with nothing queued, when a part is neither int32 nor int64. The flattening is kept
     for the next step whose parts are the same memory (:data:`_PLANS`): then the step costs the
     engine's thread two tensor operations, the ``cat`` and the copy.
@@ -165,10 +198,15 @@ def pack_host_copies(
     plan = _plan_of(parts)
     if plan is None:
         return None
-    host = slot.host_prefix(name, plan.total, plan.int32, pin=pin, sources=parts.values())
+    region = shared.take(plan.total, pin=pin) if shared is not None else None
+    if region is None:
+        offset = None
+        host = slot.host_prefix(name, plan.total, plan.int32, pin=pin, sources=parts.values())
+    else:
+        offset, host = region
     host.copy_(plan.cat(plan.flat), non_blocking=pin)
     views = PackedViews()
-    views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {}, cols)
+    views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {}, cols, offset)
     slot.view_makers.append(functools.partial(_fill_views, views))
     return views
 

@@ -50,7 +50,7 @@ import types
 from typing import Any
 
 from tracer import wrappers
-from tracer.capture import forget_plans, layer_fields, queue_host_copies, read_columns, step_fields, tensor_clones
+from tracer.capture import forget_plans, layer_fields, queue_host_copies, step_fields, tensor_clones
 from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
 from tracer.manifest import import_attr
 from tracer.options import TracerOptions
@@ -484,11 +484,19 @@ class Tracer:
         hosts = slot.payload["hosts"]
         shared = hosts.get(id(md))  # the layers of one KV-cache group share their metadata
         if shared is None:
-            cols = tensors["cols"] if tensors else read_columns(md, static.block_size)
             # A metadata trace copies the runner's tensors as given when small (the writer cuts the
-            # step's rows; the records cut each row to the blocks it uses). A tensor trace's table
-            # is as wide as its clone of the blocks read.
-            host = queue_host_copies(slot, md, num_reqs, num_tokens, cols, as_given=not self.options.tensors)
+            # step's rows; the records cut each row to the blocks it uses), into memory the record
+            # process reads when it can. A tensor trace's table is as wide as its clone of the blocks read.
+            host = queue_host_copies(
+                slot,
+                md,
+                num_reqs,
+                num_tokens,
+                tensors["cols"] if tensors else None,
+                as_given=not self.options.tensors,
+                shared=self._sink.shared_host(),
+                block_size=static.block_size,
+            )
             shared = hosts[id(md)] = (host, step_fields(md, num_tokens, cudagraph, padded))
         host, metadata = shared
         if static.fields is None:

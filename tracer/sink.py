@@ -25,8 +25,9 @@ from tracer.options import TracerOptions
 from tracer.pending import LayerCapture, host_lists, make_record, read_static_floats
 from tracer.ring import Slot
 from tracer.runtime import cuda_available
+from tracer.shared_host import SharedHost
 from tracer.writelog import INT_OF_SIZE, WriteLog
-from tracer.writer_process import RecordProcess, host_message, writer_mode
+from tracer.writer_process import RecordProcess, host_message, shared_memory, writer_mode
 
 __all__ = ["TraceSink"]
 
@@ -66,12 +67,18 @@ class TraceSink:
         #: trace keeps its writer thread
         self.inline = mode == "inline" and not options.tensors
         self.records_out = (
-            RecordProcess(self.directory, batch=INLINE_BATCH if self.inline else 1)
+            RecordProcess(self.directory, batch=INLINE_BATCH if self.inline else 1, shared=shared_memory())
             if not options.tensors and mode != "thread"
             else None
         )
-        self._outgoing: tuple[list[Any], list[Any]] = ([], [])  # the next message: (hosts, items)
+        #: the next message: (hosts, items, the byte offsets of the shared regions its hosts name)
+        self._outgoing: tuple[list[Any], list[Any], list[int]] = ([], [], [])
         self._layers_sent: dict[str, tuple[Any, ...]] = {}  # layer -> LayerCapture.layer_key() last sent
+
+    def shared_host(self) -> SharedHost | None:
+        """The memory the record writer process maps, once it runs (``tracer.shared_host``); else None."""
+        out = self.records_out
+        return out.shared_host if out is not None and not self.failed else None
 
     @property
     def budget_exhausted(self) -> bool:
@@ -109,9 +116,9 @@ class TraceSink:
         """Send what :meth:`send_slot` queued to the record writer process, in one message (after each slot)."""
         if self.records_out is None or not self._outgoing[1]:
             return
-        hosts, items = self._outgoing
-        self._outgoing = ([], [])
-        if not self.failed and not self.records_out.send(hosts, items):
+        hosts, items, regions = self._outgoing
+        self._outgoing = ([], [], [])
+        if not self.failed and not self.records_out.send(hosts, items, regions):
             self._process_failed()
 
     def flush_records(self) -> None:
@@ -162,7 +169,7 @@ class TraceSink:
         (written before the first record is sent).
         """
         assert self.records_out is not None
-        hosts, items = self._outgoing
+        hosts, items, regions = self._outgoing
         host_index: dict[int, int] = {}
         try:
             for item in slot.payload["captures"]:
@@ -184,7 +191,10 @@ class TraceSink:
                 index = host_index.get(id(item.host))
                 if index is None:
                     index = host_index[id(item.host)] = len(hosts)
-                    hosts.append(host_message(item.host))
+                    message = host_message(item.host)
+                    hosts.append(message)
+                    if "shared" in message:  # its region is free again once the child has read the message
+                        regions.append(message["shared"][0])
                 items.append(["step", index, item.static.block_size, item.layer, step])
                 self.stats["records"] += 1
         except OSError as exc:

@@ -49,17 +49,20 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from tracer.format import TraceError
 from tracer.options import env_choice
+from tracer.shared_host import SharedHost, finished_counter
 
-__all__ = ["ENV_WRITER", "RecordProcess", "host_message", "main", "writer_mode"]
+__all__ = ["ENV_HOST", "ENV_WRITER", "RecordProcess", "host_message", "main", "shared_memory", "writer_mode"]
 
 #: ``inline`` (the default), ``process`` or ``thread``: how a trace without tensors reaches its records.
 ENV_WRITER = "PAGEDTRACE_WRITER"
+#: ``shared`` (the default) or ``pipe``: where a metadata step's copy lands for the record process.
+ENV_HOST = "PAGEDTRACE_HOST"
 
 _LENGTH = struct.Struct("<I")
 #: The child's answer to ``["sync"]``: every record sent before it is written.
@@ -83,8 +86,29 @@ def writer_mode() -> str:
     return env_choice(ENV_WRITER, ("inline", "process", "thread"))
 
 
+def shared_memory() -> bool:
+    """``PAGEDTRACE_HOST``: ``shared`` (default) or ``pipe``; anything else is a one-line ValueError.
+
+    ``shared``: the steps' copies land in host memory the record process maps
+    (``tracer.shared_host``), and each message names where; ``pipe``: every message carries the
+    bytes, as before session 11.
+    """
+    return env_choice(ENV_HOST, ("shared", "pipe")) == "shared"
+
+
 #: Host dtypes as ``numpy`` dtype strings, without asking numpy (``tracer.capture.Packed.like``).
 _DTYPE_STR = {"torch.int32": "<i4", "torch.int64": "<i8"} if sys.byteorder == "little" else {}
+#: The same by dtype object (``str`` of a torch dtype is a call a part, a step); None: not sendable.
+_DTYPE_OF: dict[Any, str | None] = {}
+
+
+def _dtype_str(dtype: Any) -> str | None:
+    """``dtype`` (a torch dtype) as a ``numpy`` dtype string, or None when no message can carry it."""
+    try:
+        return _DTYPE_OF[dtype]
+    except KeyError:
+        out = _DTYPE_OF[dtype] = _DTYPE_STR.get(str(dtype))
+        return out
 
 
 def _packed_message(packed: Any) -> list[Any]:
@@ -102,23 +126,36 @@ def _packed_message(packed: Any) -> list[Any]:
     shape = packed.like.get("block_table", (None, ()))[1]
     cols = packed.cols
     cut = cols is not None and len(shape) == 2 and cols < shape[1]  # send the columns read only
-    rows = packed.trim.get("block_table", shape[0] if shape else 0)  # the step's (leading) rows
-    parts = []
-    offset = start = 0  # int32 elements: the part's, and where the block table starts
-    for k, w in zip(packed.order, packed.widths, strict=True):
-        dtype = _DTYPE_STR[str(packed.like[k][0])]
-        if cut and k == "block_table":
-            start = offset
-            parts.append([k, dtype, [rows, cols], rows * cols, -1])
-        else:
-            parts.append([k, dtype, list(packed.like[k][1]), w, packed.trim.get(k, -1)])
-        offset += w
+    parts = _parts(packed, cut=cut)
     if not cut:
         return [ctypes.string_at(address, 4 * total), parts]
+    start = 0  # int32 elements before the block table
+    for k, w in zip(packed.order, packed.widths, strict=True):
+        if k == "block_table":
+            break
+        start += w
+    rows = parts[packed.order.index("block_table")][2][0]
     values = _int32_at(address, total)
     end = start + shape[0] * shape[1]
     table = values[start:end].reshape(shape)[:rows, :cols].tobytes()
     return [values[:start].tobytes() + table + values[end:].tobytes(), parts]
+
+
+def _parts(packed: Any, *, cut: bool) -> list[list[Any]]:
+    """``[[name, dtype, shape, int32 width, rows], ...]`` of a packed copy, in buffer order.
+
+    ``cut``: the block table goes as the step's rows of its first ``packed.cols`` columns (rows -1).
+    """
+    shape = packed.like.get("block_table", (None, ()))[1]
+    parts = []
+    for k, w in zip(packed.order, packed.widths, strict=True):
+        dtype = _dtype_str(packed.like[k][0])
+        if cut and k == "block_table":
+            rows = packed.trim.get("block_table", shape[0])  # the step's (leading) rows
+            parts.append([k, dtype, [rows, packed.cols], rows * packed.cols, -1])
+        else:
+            parts.append([k, dtype, list(packed.like[k][1]), w, packed.trim.get(k, -1)])
+    return parts
 
 
 #: (address, int32 count) -> a numpy array over that memory (:func:`_int32_at`)
@@ -151,7 +188,9 @@ def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
     operation runs (:func:`_packed_message`). Otherwise each view goes as ``[dtype, shape, bytes]``.
     """
     packed = getattr(host, "packed", None)
-    if packed is not None and all(str(d) in _DTYPE_STR for d, _ in packed.like.values()):
+    if packed is not None and all(_dtype_str(d) is not None for d, _ in packed.like.values()):
+        if packed.shared is not None:  # the copy landed in memory the child maps: name the place
+            return {"shared": [packed.shared, _parts(packed, cut=False)]}
         return {"packed": _packed_message(packed)}
     out = {}
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
@@ -163,9 +202,15 @@ def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
 class RecordProcess:
     """The child process that writes a trace's records (:meth:`start`, or the first :meth:`send`)."""
 
-    def __init__(self, directory: Callable[[], Path], *, batch: int = 1):
+    def __init__(self, directory: Callable[[], Path], *, batch: int = 1, shared: bool = False):
         #: the trace directory, asked at the first send: a tensor-parallel rank is known only by then
         self.directory = directory
+        #: make host memory the child maps (``tracer.shared_host``) when it starts
+        self.shared = shared
+        #: that memory, once the child has it (None: every copy's bytes go down the pipe)
+        self.shared_host: SharedHost | None = None
+        #: messages queued so far (the child counts those it has finished in ``shared_host``)
+        self.messages = 0
         #: messages kept before one write sends them together (:meth:`flush` sends them sooner): each
         #: write wakes the child, and a pipe's wake-up may run it on the sender's CPU
         self.batch = batch
@@ -177,8 +222,12 @@ class RecordProcess:
         self._lock = threading.Lock()  # the writer thread sends, the engine's thread may sync (drain)
         self.error: str | None = None  #: the child's one-line error, once it ended early
 
-    def send(self, hosts: list[dict[str, list[Any]]], items: list[list[Any]]) -> bool:
-        """Queue one slot's records; False once the child has ended (``error`` then says why)."""
+    def send(self, hosts: list[dict[str, list[Any]]], items: list[list[Any]], regions: Sequence[int] = ()) -> bool:
+        """Queue one slot's records; False once the child has ended (``error`` then says why).
+
+        ``regions``: byte offsets of the ``shared_host`` regions ``hosts`` name; each is free again
+        once the child has finished this message (its number is taken here, under the lock).
+        """
         with self._lock:
             if self.error is not None:
                 return False
@@ -190,6 +239,10 @@ class RecordProcess:
                 items = [["directory", str(self.directory())], *items]
                 self._told = True
             payload = self._encode([hosts, items])
+            self.messages += 1
+            if regions and self.shared_host is not None:
+                for offset in regions:
+                    self.shared_host.sent(offset, self.messages)
             self._held.append(_LENGTH.pack(len(payload)))
             self._held.append(payload)
             if len(self._held) < 2 * self.batch:
@@ -237,7 +290,11 @@ class RecordProcess:
         with self._lock:
             if self._held and self._proc is not None and self.error is None:
                 self._write()
-            return self._close()
+            error = self._close()
+            if self.shared_host is not None:  # the child has ended: nobody reads the memory now
+                self.shared_host.close()
+                self.shared_host = None
+            return error
 
     def _close(self, said: str = "", *, failed: bool = False) -> str | None:
         """Close the pipe and wait for the child. ``failed``: it ended early, whatever its exit code
@@ -275,16 +332,36 @@ class RecordProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._told = False
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tracer.writer_process", "--detach"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-            # Its own session: a Ctrl-C at the terminal interrupts the engine, whose stop() then
-            # closes the pipe, and the child writes what it has before it ends (end of input).
-            start_new_session=True,
-        )
+        self.messages = 0  # a new child counts from 0
+        shared = None
+        if self.shared and self.shared_host is None:
+            try:
+                shared = SharedHost()
+            except OSError:  # no memfd: every copy's bytes go down the pipe
+                shared = None
+        argv = [sys.executable, "-m", "tracer.writer_process", "--detach"]
+        fds: tuple[int, ...] = ()
+        if shared is not None and shared.fd is not None:
+            argv += ["--shared", str(shared.fd), str(shared.size)]
+            fds = (shared.fd,)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                close_fds=True,
+                pass_fds=fds,
+                # Its own session: a Ctrl-C at the terminal interrupts the engine, whose stop() then
+                # closes the pipe, and the child writes what it has before it ends (end of input).
+                start_new_session=True,
+            )
+        finally:
+            if shared is not None:
+                shared.close_fd()  # the child has its own descriptor; the mapping stays
+        self._start(proc, shared)
+
+    def _start(self, proc: subprocess.Popen[bytes], shared: SharedHost | None) -> None:
         # It forks at once and the first process ends: the one left is nobody's child (init adopts
         # it), so that vLLM's shutdown, which SIGKILLs the worker's descendants (psutil's
         # children(recursive=True), vllm.utils.system_utils.kill_process_tree), does not kill it
@@ -295,10 +372,13 @@ class RecordProcess:
         if not first.startswith(STARTED):
             with contextlib.suppress(OSError):
                 proc.stdin.close()  # type: ignore[union-attr]
+            if shared is not None:
+                shared.close()
             raise OSError(f"the record writer process did not start (it said {first[:200]!r})")
         self.pid = int(first[len(STARTED) :])
         _grow_pipe(proc.stdin)
         self._proc = proc
+        self.shared_host = shared
 
 
 #: The pipe to the child holds this many bytes (Linux ``F_SETPIPE_SZ``; its default is 64 KiB, and
@@ -344,10 +424,19 @@ def _ints(dtype: str, data: bytes) -> list[int]:
     return values.tolist()
 
 
-def _lists(host: dict[str, list[Any]]) -> dict[str, Any]:
-    """``tracer.pending.host_lists`` of the buffers one message carries (``host_message``)."""
-    if "packed" in host:
-        data, parts = host["packed"]
+def _lists(host: dict[str, list[Any]], shared: Any = None) -> dict[str, Any]:
+    """``tracer.pending.host_lists`` of the buffers one message carries (``host_message``).
+
+    ``shared``: the child's mapping of the memory a ``"shared"`` buffer is in (``tracer.shared_host``).
+    """
+    if "shared" in host or "packed" in host:
+        if "shared" in host:
+            if shared is None:
+                raise TraceError("a message names shared host memory the record writer process was not given")
+            offset, parts = host["shared"]
+            data = shared[offset : offset + 4 * sum(part[3] for part in parts)]
+        else:
+            data, parts = host["packed"]
         flat, shapes, offset = {}, {}, 0
         for name, dtype, shape, width, rows in parts:
             values = _ints(dtype, data[4 * offset : 4 * (offset + width)])
@@ -377,11 +466,19 @@ def main(argv: list[str] | None = None) -> int:
     that the one left, which does the work, has no parent to be killed with; its first line
     on stdout is :data:`STARTED` and its pid. It ends with :data:`DONE` when it ended well.
     """
-    if "--detach" in (sys.argv[1:] if argv is None else argv):
+    args = sys.argv[1:] if argv is None else argv
+    shared = None
+    if "--shared" in args:  # FD SIZE: the host memory the engine's copies land in (tracer.shared_host)
+        at = args.index("--shared")
+        import mmap
+
+        shared = mmap.mmap(int(args[at + 1]), int(args[at + 2]))
+        os.close(int(args[at + 1]))
+    if "--detach" in args:
         if os.fork():
             os._exit(0)
         _say(STARTED + str(os.getpid()).encode() + b"\n")
-    code = _records()
+    code = _records(shared)
     if code == 0:
         _say(DONE)
     return code
@@ -393,8 +490,12 @@ def _say(line: bytes) -> None:
         sys.stdout.flush()
 
 
-def _records() -> int:
-    """Records from stdin (:func:`main`): 0 at end of input, 3 after a one-line error on stdout."""
+def _records(shared: Any = None) -> int:
+    """Records from stdin (:func:`main`): 0 at end of input, 3 after a one-line error on stdout.
+
+    ``shared``: the mapping of the engine's shared host memory; after each message, the count of
+    messages finished goes into it, so that the engine may reuse the regions they named.
+    """
     import msgspec
 
     from tracer.format import TraceWriter, record_from_json
@@ -406,6 +507,8 @@ def _records() -> int:
     writer = None
     directory = ""
     layers: dict[str, dict[str, Any]] = {}  # layer -> its fields that no step changes
+    finished = 0  # messages read to their end
+    counter = finished_counter(shared) if shared is not None else None
     try:
         while True:
             head = _read_exact(stdin, _LENGTH.size)
@@ -433,8 +536,11 @@ def _records() -> int:
                     continue
                 _, index, block_size, layer, fields = item
                 if index not in lists:
-                    lists[index] = _lists(hosts[index])
+                    lists[index] = _lists(hosts[index], shared)
                 writer.append(make_record({**layers[layer], **_tuples(fields)}, lists[index], block_size))
+            finished += 1
+            if counter is not None:  # every host buffer of the message is read (``_lists`` copies)
+                counter.value = finished
     except OSError as exc:
         return _failed(f"pagedtrace: cannot write trace to {directory}: {exc}; tracing stops, the engine runs on")
     except Exception as exc:  # noqa: BLE001 - one line for the tracer to report, not a traceback

@@ -1,0 +1,102 @@
+"""Host memory shared with the record writer process (``tracer.shared_host``): regions, reuse, fallback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tracer import shared_host
+from tracer.shared_host import HEADER_BYTES, SharedHost, finished_counter
+
+
+def test_a_region_is_taken_again_only_after_the_child_has_finished_the_message_that_named_it():
+    host = SharedHost(regions=3, region_bytes=64)
+    offsets = []
+    for _ in range(3):
+        offset, view = host.take(4, pin=False)
+        assert view.numel() == 4 and view.dtype == torch.int32
+        offsets.append(offset)
+    assert offsets == [HEADER_BYTES, HEADER_BYTES + 64, HEADER_BYTES + 128]  # round robin
+    assert host.take(4, pin=False) is None  # region 0 is in flight, not yet sent
+    for message, offset in enumerate(offsets, start=1):
+        host.sent(offset, message)
+    assert host.take(4, pin=False) is None  # sent in message 1, which the child has not finished
+    counter = finished_counter(host._map)
+    counter.value = 1
+    assert host.take(4, pin=False)[0] == offsets[0]
+    assert host.take(4, pin=False) is None  # region 1: message 2 is not finished
+    assert host.take(17, pin=False) is None  # 68 bytes do not fit a 64-byte region, whatever its state
+    assert (host.taken, host.declined) == (4, 4)
+    host.close()
+    assert host.take(4, pin=False) is None  # closed: nothing is taken
+
+
+def test_the_child_reads_what_a_copy_put_in_a_region():
+    host = SharedHost(regions=2, region_bytes=64)
+    offset, view = host.take(3, pin=False)
+    view.copy_(torch.tensor([7, -8, 2**31 - 1], dtype=torch.int32))
+    code = (
+        "import mmap, struct, sys; m = mmap.mmap(int(sys.argv[1]), int(sys.argv[2])); "
+        "print(list(struct.unpack_from('<3i', m, int(sys.argv[3]))))"
+    )
+    argv = [sys.executable, "-c", code, str(host.fd), str(host.size), str(offset)]
+    out = subprocess.run(argv, pass_fds=(host.fd,), capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [7, -8, 2**31 - 1]
+    host.close()
+
+
+def _values_steps(t, n: int) -> None:
+    """``n`` request steps of the fake engine whose metadata changes every step (the runner's buffers in place)."""
+    _, runner, sched, md = t._test_engine
+    for i in range(n):
+        md.seq_lens[:3] = torch.tensor([1 + i % 16, 16 - i % 16, 1 + (3 * i) % 16], dtype=torch.int32)
+        md.max_seq_len = int(md.seq_lens.max())
+        md.slot_mapping[:3] = torch.tensor([i, 1000 + i, 2000 + i])
+        t._phase, t._depth = ["request"], 1
+        t._begin_step()
+        t._v2_req_ids = ("a", "b", "c")
+        t._dispatch = ("full", 4)
+        t._end_request_step(runner, (sched,), {})
+        t._submit_slot()
+
+
+@pytest.mark.parametrize("mode", ["inline", "process"])
+def test_steps_through_two_regions_write_every_step_as_the_pipe_does(tmp_path, monkeypatch, mode):
+    """Two regions for 40 steps: most steps find none free (the pipe holds messages back, the child
+    is behind) and send their bytes; those that take one are not overwritten before the child reads
+    them. The records are the pipe's, step for step."""
+    from tests.test_hooks import _fake_step_engine
+
+    monkeypatch.setenv("PAGEDTRACE_WRITER", mode)
+    monkeypatch.setattr(shared_host, "REGIONS", 2)
+    lines, used = {}, {}
+    for host in ("shared", "pipe"):
+        monkeypatch.setenv("PAGEDTRACE_HOST", host)
+        t, runner, sched, md = _fake_step_engine(tmp_path / host)
+        t._test_engine = (t, runner, sched, md)
+        t._sink.start()
+        memory = t._sink.shared_host()
+        assert (memory is not None) == (host == "shared")
+        _values_steps(t, 40)
+        t._thread.close()
+        t._sink.finish()
+        assert t.error is None
+        used[host] = (memory.taken, memory.declined) if memory is not None else None
+        lines[host] = (tmp_path / host / "trace" / "steps.jsonl").read_text().splitlines()
+    assert len(lines["shared"]) == 40 and lines["shared"] == lines["pipe"]
+    taken, declined = used["shared"]
+    assert taken >= 2 and declined >= 1 and taken + declined == 40, used
+    seq_lens = [json.loads(line)["seq_lens"] for line in lines["shared"]]
+    assert seq_lens == [[1 + i % 16, 16 - i % 16, 1 + (3 * i) % 16] for i in range(40)]
+
+
+def test_a_bad_host_setting_is_a_one_line_error(tmp_path, monkeypatch):
+    from tracer.writer_process import shared_memory
+
+    monkeypatch.setenv("PAGEDTRACE_HOST", "disk")
+    with pytest.raises(ValueError, match="PAGEDTRACE_HOST='disk': expected 'shared' or 'pipe'"):
+        shared_memory()
