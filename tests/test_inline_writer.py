@@ -48,8 +48,8 @@ def _step(pool: SlotPool, writer: InlineWriter, log: list, i: int) -> Slot:
 def test_a_slot_is_handed_over_once_its_event_fired_oldest_first_on_this_thread():
     pool, log, handled = SlotPool(8), [], []
     writer = InlineWriter(
-        pool, lambda slot: handled.append((slot.payload, threading.get_ident())), log.append, idle_s=0
-    )  # no idle thread: every hand-over here is a step's
+        pool, lambda slot: handled.append((slot.payload, threading.get_ident())), log.append, idle_s=0, every=1
+    )  # no idle thread: every hand-over here is a step's; each step hands over what it can
     first = _step(pool, writer, log, 0)
     assert handled == [] and log == [("query", 0)]  # its copies still run: nothing waited for
     second = _step(pool, writer, log, 1)
@@ -65,14 +65,30 @@ def test_a_slot_is_handed_over_once_its_event_fired_oldest_first_on_this_thread(
     assert pool.has_free() and len(pool._free) == 8
 
 
-def test_a_step_that_finds_every_slot_in_flight_hands_the_oldest_over_and_loses_none():
+def test_slots_are_handed_over_every_few_steps_in_one_message():
+    """``every`` steps queue before a hand-over; the fired slots then go together, one ``end`` after them."""
+    pool, log, handled = SlotPool(8), [], []
+    writer = InlineWriter(
+        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0, every=3, end=lambda: handled.append("end")
+    )
+    slots = [_step(pool, writer, log, i) for i in range(2)]
+    assert handled == [] and log == []  # fewer than 3 queued: not even asked
+    for slot in slots:
+        slot.event.fired = True
+    _step(pool, writer, log, 2)  # the third: 0 and 1 fired, 2 still runs
+    assert handled == [0, 1, "end"] and log == [("query", 0), ("query", 1), ("query", 2)]
+    writer.close()
+    assert handled == [0, 1, "end", 2, "end"] and log[-1] == ("wait", 2)
+
+
+def test_a_step_that_finds_every_slot_in_flight_hands_them_over_and_loses_none():
     pool, log, handled = SlotPool(2), [], []
     writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0)
     for i in range(7):  # no event ever fires by itself: every slot is freed by make_room
         _step(pool, writer, log, i)
     writer.close()
     assert handled == list(range(7))
-    assert pool.waits == 5  # steps 2..6 each waited for the oldest slot's event
+    assert pool.waits == 3  # steps 2, 4 and 6 found both slots in flight and waited for their events
     assert [c for c in log if c[0] == "wait"] == [("wait", i) for i in range(7)]
 
 
@@ -96,7 +112,7 @@ def test_a_failing_hand_over_is_reported_once_and_frees_every_slot():
     def handle(slot: Slot) -> None:
         raise OSError("pipe closed")
 
-    writer = InlineWriter(pool, handle, errors.append, idle_s=0)
+    writer = InlineWriter(pool, handle, errors.append, idle_s=0, every=1)
     for i in range(5):
         slot = pool.acquire()  # would never come back were failed slots kept
         slot.payload = i
@@ -135,7 +151,7 @@ def test_the_idle_thread_keeps_off_the_device_while_graphs_are_captured():
     )
     _step(pool, writer, log, 0)
     time.sleep(0.2)
-    assert handled == [] and log == [("query", 0)]  # only the step's own query: no wait, no hand-over
+    assert handled == [] and log == []  # no wait, no hand-over
     capturing[0] = False
     writer.close()
     assert handled == [0]
@@ -143,7 +159,7 @@ def test_the_idle_thread_keeps_off_the_device_while_graphs_are_captured():
 
 def test_a_step_that_finds_the_idle_thread_handing_over_leaves_its_slot_queued():
     pool, log, handled = SlotPool(8), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0)
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0, every=1)
     with writer._lock:  # as while the idle thread hands over
         slot = _step(pool, writer, log, 0)
         slot.event.fired = True
@@ -184,7 +200,7 @@ def test_a_real_engine_traced_inline_records_what_the_writer_thread_records(inli
 
 #: The fake engine in a multiprocessing child, as vLLM's engine core runs under ``vllm serve``: it
 #: ends through ``os._exit`` without ``stop()`` (no atexit handler runs there), its last steps
-#: still held on the engine's side (an idle hand-over that never comes).
+#: still queued on the engine's side (an idle hand-over that never comes).
 ENGINE_CORE = """
 import multiprocessing, sys
 sys.path.insert(0, sys.argv[2])
@@ -200,9 +216,10 @@ def engine_core(directory):
     t._thread.close()
     t.start()  # in this process, as the plugin starts it
     t._thread._idle_s = 3600.0
+    t._sink.start()  # as the runner's first call starts the record process
     t._test_engine = (t, runner, sched, md)
     w._steps(t, 3)
-    assert t._sink.records_out._held  # three steps' messages, not yet written
+    assert len(t._thread._pending) == 3  # three steps, not yet handed over
     print(t._sink.records_out.pid, flush=True)
 
 

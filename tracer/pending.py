@@ -113,9 +113,14 @@ class LayerCapture:
         s = self.static
         return (id(s.fields), s.query_dtype, s.floats_read, None if s.scales is None else tuple(s.scales.items()))
 
-    def step_fields(self) -> dict[str, Any]:
-        """This step's fields: number, kind, request ids, the metadata's, and the scales captured with it."""
+    def step_fields(self, *, with_ids: bool = True) -> dict[str, Any]:
+        """This step's fields: number, kind, request ids, the metadata's, and the scales captured with it.
+
+        ``with_ids`` False: without ``request_ids`` (the record process is sent them when they change).
+        """
         fields = {"step": self.step, "kind": self.kind, "request_ids": self.req_ids, **self.metadata}
+        if not with_ids:
+            del fields["request_ids"]
         if self.scales is not None:
             fields.update((k, _scale_value(v)) for k, v in self.scales.items())
         return fields

@@ -260,6 +260,22 @@ class _HandOver:
         if self._end is not None:
             self._end()
 
+    def _finish_all(self, slots: list[Slot], *, fired: bool = False) -> None:
+        """:meth:`_finish` for several slots, oldest first, with one ``end`` after the last: one message."""
+        if self.throttle:
+            time.sleep(self.throttle * len(slots))
+        self._guarded(self._hand_over_all, slots, fired)
+        for slot in slots:
+            self.pool.release(slot)
+
+    def _hand_over_all(self, slots: list[Slot], fired: bool) -> None:
+        for slot in slots:
+            if not fired and slot.event is not None and slot.recorded:
+                slot.event.synchronize()
+            self._handle(slot)
+        if self._end is not None:
+            self._end()
+
     def _guarded(self, call: Callable[..., None], *args: Any) -> None:
         """``call(*args)`` unless a hand-over failed before; its exception goes to ``on_error``, once."""
         if self._failed:
@@ -276,6 +292,10 @@ class _HandOver:
 
 #: ``InlineWriter``: after this many seconds without a step, its idle thread hands over what is queued.
 IDLE_S = 0.1
+#: ``InlineWriter``: steps queued before the engine's thread hands them over, together, in one
+#: message to the record process. Each hand-over costs the thread a fixed part (the message's
+#: encoding, its write, the child's wake-up) besides each step's own.
+HAND_OVER_EVERY = 8
 
 
 class InlineWriter(_HandOver):
@@ -291,10 +311,12 @@ class InlineWriter(_HandOver):
     engine's thread pays the hand-over itself (``handle`` and ``end``: the message to the record
     process, tens of µs) and never sleeps for it.
 
-    :meth:`submit` queues the step's slot, then hands over, oldest first, every queued slot whose
-    event has fired (``Event.query``: no wait); a slot whose copies are still running waits for a
+    :meth:`submit` queues the step's slot; once ``every`` slots are queued it hands over, oldest
+    first, every queued slot whose event has fired (``Event.query``: no wait), ``handle`` for each
+    and one ``end`` after them (one message); a slot whose copies are still running waits for a
     later step. :meth:`make_room` (a step found no free slot), :meth:`drain` and :meth:`close`
-    wait for the events. A slot's records therefore reach the record process a step or so late.
+    hand over every queued slot and wait for the events. A slot's records therefore reach the
+    record process up to ``every`` steps late.
     So that the last steps before the engine goes idle are not held until the next request, an
     idle thread wakes every ``idle_s`` seconds (10 times a second by default, not once a step)
     and, once no step has come for ``idle_s``, hands over what is queued. It keeps off the device
@@ -314,8 +336,10 @@ class InlineWriter(_HandOver):
         idle_s: float = IDLE_S,
         busy: Callable[[], bool] = lambda: False,
         flush: Callable[[], None] | None = None,
+        every: int = HAND_OVER_EVERY,
     ):
         super().__init__(pool, handle, on_error, throttle=throttle, end=end)
+        self.every = max(1, every)  #: steps queued before a hand-over (:data:`HAND_OVER_EVERY`)
         self._flush = flush  #: sends what ``end`` held back (the record process's batched writes)
         self._pending: deque[Slot] = deque()  # append / popleft are atomic: no lock to queue a slot
         self._lock = threading.Lock()  # held while slots are handed over
@@ -329,32 +353,41 @@ class InlineWriter(_HandOver):
             self._idle.start()
 
     def submit(self, slot: Slot) -> None:
-        self._pending.append(slot)
+        pending = self._pending
+        pending.append(slot)
         self._last = time.monotonic()
+        if len(pending) < self.every:
+            return
         if not self._lock.acquire(blocking=False):
             return  # the idle thread is handing over: a later step (or it) takes this one
         try:
-            pending = self._pending
+            fired = []
             while pending:
                 first = pending[0]
                 if first.recorded and first.event is not None and not first.event.query():
-                    return  # its copies are still running: a later step hands it over
-                self._finish(pending.popleft(), fired=True)
+                    break  # its copies are still running: a later step hands it over
+                fired.append(pending.popleft())
+            if fired:
+                self._finish_all(fired, fired=True)
         finally:
             self._lock.release()
 
     def make_room(self) -> None:
-        """Hand over the oldest queued slot, waiting for its event: a step found every slot in flight."""
+        """Hand over every queued slot, waiting for their events: a step found every slot in flight."""
         with self._lock:
             if self._pending:
                 self.pool.waits += 1
-                self._finish(self._pending.popleft())
+                self._finish_all(self._take_all())
+
+    def _take_all(self) -> list[Slot]:
+        pending = self._pending
+        return [pending.popleft() for _ in range(len(pending))]
 
     def drain(self) -> None:
         """Hand over every queued slot (waits for their events), and send what ``end`` held back."""
         with self._lock:
-            while self._pending:
-                self._finish(self._pending.popleft())
+            if self._pending:
+                self._finish_all(self._take_all())
             self._send_held()
 
     def _send_held(self) -> None:
@@ -378,8 +411,8 @@ class InlineWriter(_HandOver):
                 continue
             if self._lock.acquire(blocking=False):  # else a step is handing over right now
                 try:
-                    while self._pending and not self._busy():
-                        self._finish(self._pending.popleft())
+                    if self._pending and not self._busy():
+                        self._finish_all(self._take_all())
                     if not self._pending:
                         self._send_held()
                         held = False

@@ -33,8 +33,8 @@ __all__ = ["HEADER_BYTES", "REGIONS", "REGION_BYTES", "SharedHost", "finished_co
 #: Bytes before the first region: the child's count of finished messages (``uint64``), padded.
 HEADER_BYTES = 64
 #: Regions, taken round robin: more than the ring's 64 slots (``tracer.hooks.RING_SLOTS``), so
-#: that the messages the pipe holds back (``tracer.sink.INLINE_BATCH``) and those the child is on
-#: do not leave the next step without one.
+#: that the steps queued for one message (``tracer.ring.HAND_OVER_EVERY``) and those the child is
+#: on do not leave the next step without one.
 REGIONS = 128
 #: One region: a decode step of 32 requests with a 256-column block table is ~33 KiB packed; a
 #: prefill of 10k tokens ~120 KiB. Larger steps take the slot's own buffer (:meth:`SharedHost.take`).

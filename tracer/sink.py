@@ -33,11 +33,6 @@ __all__ = ["TraceSink"]
 
 logger = logging.getLogger("pagedtrace")
 
-#: ``PAGEDTRACE_WRITER=inline``: steps' messages written to the record process together. Each
-#: write wakes the process, and a pipe's wake-up may run it on the writing thread's CPU, the
-#: engine's here (on the 2-core CPU stand-in a write a step took ~0.7 ms of wall time, 0.07 ms
-#: of CPU); the idle thread, ``drain`` and ``stop`` send what is held sooner.
-INLINE_BATCH = 8
 
 
 class TraceSink:
@@ -62,18 +57,19 @@ class TraceSink:
         #: Without tensors the records are built and written by a process of their own (off the
         #: engine's GIL: ``tracer.writer_process``), unless ``PAGEDTRACE_WRITER=thread``.
         mode = writer_mode()
-        #: ``PAGEDTRACE_WRITER=inline`` (the default): the engine's thread hands each slot to the record
-        #: process (``tracer.ring.InlineWriter``), :data:`INLINE_BATCH` messages a write; a tensor
-        #: trace keeps its writer thread
+        #: ``PAGEDTRACE_WRITER=inline`` (the default): the engine's thread hands the slots to the record
+        #: process, several steps a message (``tracer.ring.InlineWriter``); a tensor trace keeps its
+        #: writer thread
         self.inline = mode == "inline" and not options.tensors
         self.records_out = (
-            RecordProcess(self.directory, batch=INLINE_BATCH if self.inline else 1, shared=shared_memory())
+            RecordProcess(self.directory, shared=shared_memory())
             if not options.tensors and mode != "thread"
             else None
         )
         #: the next message: (hosts, items, the byte offsets of the shared regions its hosts name)
         self._outgoing: tuple[list[Any], list[Any], list[int]] = ([], [], [])
         self._layers_sent: dict[str, tuple[Any, ...]] = {}  # layer -> LayerCapture.layer_key() last sent
+        self._ids_sent: tuple[str, ...] | None = None  # the request ids last sent (the records after carry them)
 
     def shared_host(self) -> SharedHost | None:
         """The memory the record writer process maps, once it runs (``tracer.shared_host``); else None."""
@@ -122,7 +118,7 @@ class TraceSink:
             self._process_failed()
 
     def flush_records(self) -> None:
-        """Write the messages the record process's pipe holds back (``INLINE_BATCH``) now."""
+        """Write the messages the record process's pipe holds back (``RecordProcess.batch``) now."""
         if self.records_out is not None and not self.failed and not self.records_out.flush():
             self._process_failed()
 
@@ -163,8 +159,9 @@ class TraceSink:
         """A slot without tensors, for the record writer process: its host buffers and record fields.
 
         Queued into the next message (:meth:`send_records` sends it): the host buffers as bytes
-        (a packed copy's buffer as it is, no view made), a layer's unchanging fields when they
-        are new or changed, then each record's own. What stays here is what needs the engine's
+        (a packed copy's buffer as it is, no view made) or where they are in the memory the
+        process maps, a layer's unchanging fields and the request ids when they are new or
+        changed, then each record's own. What stays here is what needs the engine's
         objects: the layer's ALiBi slopes and sinks (read once), its scales, and the manifest
         (written before the first record is sent).
         """
@@ -181,8 +178,11 @@ class TraceSink:
                     self.stats["gaps"] += 1
                     continue
                 read_static_floats(item.static)
-                step = item.step_fields()
+                step = item.step_fields(with_ids=False)
                 self._keep_scales(item, step)
+                if item.req_ids is not self._ids_sent:  # a decode step's batch is the last step's (the same tuple)
+                    self._ids_sent = item.req_ids
+                    items.append(["ids", item.req_ids])
                 self._ensure_manifest(item)
                 key = item.layer_key()
                 if self._layers_sent.get(item.layer) != key:

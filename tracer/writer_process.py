@@ -8,21 +8,25 @@ the GIL), puts the slot's host buffers as bytes into a message with the records'
 and writes it to this module's process (:class:`RecordProcess`, started by the model runner's
 first call, so only a process that runs the model has one), which builds the records
 and appends them to ``steps.jsonl``, one flushed line each, exactly as the thread would. One
-message carries one slot (``tracer.sink.TraceSink.send_records``, after each).
+message carries the slots of one hand-over (``tracer.sink.TraceSink.send_records``, after them).
 
 Messages on the child's stdin: a 4-byte little-endian length, then a msgpack list
 ``[hosts, items]``. ``hosts``: one map per KV-cache group and slot (:func:`host_message`):
-``{"packed": [bytes, [[name, dtype, shape, int32 width, rows], ...]]}`` for one packed copy, else
-name -> ``[dtype, shape, bytes]``, of ``query_start_loc``, ``seq_lens``, ``block_table``,
-``slot_mapping``. ``items``: ``["directory", path]`` (first, once: a tensor-parallel rank other
-than 0 writes to ``rank<N>/``, known only once vLLM is up), ``["gap", GapRecord JSON]``,
-``["layer", name, fields]`` (``tracer.pending.LayerCapture.layer_fields``: sent before the
-layer's first record, and again whenever they change), ``["step", host index, block size,
-layer, fields]`` (``LayerCapture.step_fields``: a record is the layer's fields updated with
-these) or ``["sync"]``, which the child answers with :data:`SYNCED` on stdout once everything
-before it is written. End of input (the tracer stopped, or its process died) ends the child
-once everything it got is on disk. A write error ends it early: its one line goes to stdout,
-and the tracer reports it (``RecordProcess.close``).
+``{"shared": [byte offset, parts]}`` for a packed copy that landed in the host memory the child
+maps (``tracer.shared_host``; given to it as ``--shared FD SIZE``), ``{"packed": [bytes, parts]}``
+for one that landed in the slot's own buffer, parts ``[[name, dtype, shape, int32 width, rows],
+...]``, else name -> ``[dtype, shape, bytes]``, of ``query_start_loc``, ``seq_lens``,
+``block_table``, ``slot_mapping``. ``items``: ``["directory", path]`` (first, once: a
+tensor-parallel rank other than 0 writes to ``rank<N>/``, known only once vLLM is up),
+``["gap", GapRecord JSON]``, ``["layer", name, fields]`` (``tracer.pending.LayerCapture.layer_fields``:
+sent before the layer's first record, and again whenever they change), ``["ids", request ids]``
+(the records' from here on: sent when the batch changes), ``["step", host index, block size,
+layer, fields]`` (``LayerCapture.step_fields`` without the ids: a record is the layer's fields
+updated with these) or ``["sync"]``, which the child answers with :data:`SYNCED` on stdout once
+everything before it is written. After each message the child counts it finished in the shared
+memory: the regions it named may be reused. End of input (the tracer stopped, or its process
+died) ends the child once everything it got is on disk. A write error ends it early: its one
+line goes to stdout, and the tracer reports it (``RecordProcess.close``).
 
 By default (``PAGEDTRACE_WRITER=inline``) the engine's own thread hands each slot to the child,
 with no writer thread (``tracer.ring.InlineWriter``); ``process`` hands them over from a writer
@@ -508,6 +512,7 @@ def _records(shared: Any = None) -> int:
     directory = ""
     layers: dict[str, dict[str, Any]] = {}  # layer -> its fields that no step changes
     finished = 0  # messages read to their end
+    ids: tuple[str, ...] = ()
     counter = finished_counter(shared) if shared is not None else None
     try:
         while True:
@@ -534,10 +539,14 @@ def _records(shared: Any = None) -> int:
                 if item[0] == "layer":  # a layer's unchanging fields, sent before its first record
                     layers[item[1]] = _tuples(item[2])
                     continue
+                if item[0] == "ids":  # the request ids of the records from here on
+                    ids = tuple(item[1])
+                    continue
                 _, index, block_size, layer, fields = item
                 if index not in lists:
                     lists[index] = _lists(hosts[index], shared)
-                writer.append(make_record({**layers[layer], **_tuples(fields)}, lists[index], block_size))
+                record = {**layers[layer], "request_ids": ids, **_tuples(fields)}
+                writer.append(make_record(record, lists[index], block_size))
             finished += 1
             if counter is not None:  # every host buffer of the message is read (``_lists`` copies)
                 counter.value = finished
