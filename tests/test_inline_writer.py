@@ -69,7 +69,12 @@ def test_slots_are_handed_over_every_few_steps_in_one_message():
     """``every`` steps queue before a hand-over; the fired slots then go together, one ``end`` after them."""
     pool, log, handled = SlotPool(8), [], []
     writer = InlineWriter(
-        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0, every=3, end=lambda: handled.append("end")
+        pool,
+        lambda slot: handled.append(slot.payload),
+        log.append,
+        idle_s=0,
+        every=3,
+        end=lambda: handled.append("end"),
     )
     slots = [_step(pool, writer, log, i) for i in range(2)]
     assert handled == [] and log == []  # fewer than 3 queued: not even asked

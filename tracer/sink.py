@@ -34,7 +34,6 @@ __all__ = ["TraceSink"]
 logger = logging.getLogger("pagedtrace")
 
 
-
 class TraceSink:
     """Writes one trace directory from the slots the writer thread hands it.
 
@@ -62,9 +61,7 @@ class TraceSink:
         #: writer thread
         self.inline = mode == "inline" and not options.tensors
         self.records_out = (
-            RecordProcess(self.directory, shared=shared_memory())
-            if not options.tensors and mode != "thread"
-            else None
+            RecordProcess(self.directory, shared=shared_memory()) if not options.tensors and mode != "thread" else None
         )
         #: the next message: (hosts, items, the byte offsets of the shared regions its hosts name)
         self._outgoing: tuple[list[Any], list[Any], list[int]] = ([], [], [])
