@@ -20,17 +20,20 @@ def test_a_region_is_taken_again_only_after_the_child_has_finished_the_message_t
         offset, view = host.take(4, pin=False)
         assert view.numel() == 4 and view.dtype == torch.int32
         offsets.append(offset)
-    assert offsets == [HEADER_BYTES, HEADER_BYTES + 64, HEADER_BYTES + 128]  # round robin
-    assert host.take(4, pin=False) is None  # region 0 is in flight, not yet sent
+    assert offsets == [HEADER_BYTES, HEADER_BYTES + 64, HEADER_BYTES + 128]
+    assert host.take(4, pin=False) is None  # every region in flight, none sent yet
     for message, offset in enumerate(offsets, start=1):
         host.sent(offset, message)
-    assert host.take(4, pin=False) is None  # sent in message 1, which the child has not finished
+    assert host.take(4, pin=False) is None  # sent in messages 1-3, none finished by the child
     counter = finished_counter(host._map)
-    counter.value = 1
+    counter.value = 2
+    assert host.take(4, pin=False)[0] == offsets[1]  # 1 and 2 are free: the one freed last first
     assert host.take(4, pin=False)[0] == offsets[0]
-    assert host.take(4, pin=False) is None  # region 1: message 2 is not finished
+    assert host.take(4, pin=False) is None  # region 2: message 3 is not finished
+    counter.value = 3
     assert host.take(17, pin=False) is None  # 68 bytes do not fit a 64-byte region, whatever its state
-    assert (host.taken, host.declined) == (4, 4)
+    assert host.take(4, pin=False)[0] == offsets[2]
+    assert (host.taken, host.declined) == (6, 4)
     host.close()
     assert host.take(4, pin=False) is None  # closed: nothing is taken
 

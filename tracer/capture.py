@@ -21,7 +21,7 @@ fields of a step's metadata are read once for the layers that share it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.manifest import kv_layout_of
@@ -65,6 +65,9 @@ class Packed:
     #: byte offset of ``host`` in the memory the record process maps (``tracer.shared_host``):
     #: the message names it instead of carrying the bytes; None: the slot's own buffer
     shared: int | None = None
+    #: what the message makes of a copy cut this way, kept for the next step cut the same way
+    #: (``tracer.writer_process.host_message``); one per plan
+    memo: dict[Any, Any] | None = None
 
 
 class PackedViews(dict):
@@ -110,9 +113,10 @@ def queue_host_copies(
     shared memory needs them in neither way (the record process cuts every row to its blocks).
     """
     key = str(len(slot.payload["hosts"]))
-    if cols is None and not (as_given and shared is not None and _fits_as_given(md)):
+    as_given = as_given and _fits_as_given(md)
+    if cols is None and not (as_given and shared is not None):
         cols = read_columns(md, block_size)
-    parts, trim = metadata_parts(md, num_reqs, num_tokens, cols or 0, as_given=as_given)
+    parts, trim = metadata_parts(md, num_reqs, num_tokens, cols or 0, as_given=as_given, checked=True)
     host = pack_host_copies(
         slot, key, parts, pin=md.block_table.is_cuda, trim=trim, cols=cols if trim else None, shared=shared
     )
@@ -123,14 +127,14 @@ def queue_host_copies(
 
 
 def metadata_parts(
-    md: Any, num_reqs: int, num_tokens: int, cols: int, *, as_given: bool = False
+    md: Any, num_reqs: int, num_tokens: int, cols: int, *, as_given: bool = False, checked: bool = False
 ) -> tuple[dict[str, Any], dict[str, int] | None]:
     """``md``'s tensors to copy (device views), and the rows of each that are the step's.
 
     By default the step's rows themselves (no trim). ``as_given``: each tensor as ``md`` holds
     it (sized for the padded batch), every block-table column, with the number of leading rows
     that are the step's; a tensor larger than :data:`AS_GIVEN_MAX` elements is cut here as by
-    default.
+    default (``checked``: the caller has made sure none is).
     """
     wanted = {
         "query_start_loc": num_reqs + 1,
@@ -138,7 +142,7 @@ def metadata_parts(
         "block_table": num_reqs,
         "slot_mapping": num_tokens,
     }
-    if as_given and _fits_as_given(md):
+    if as_given and (checked or _fits_as_given(md)):
         return {
             "query_start_loc": md.query_start_loc,
             "seq_lens": md.seq_lens,
@@ -206,7 +210,7 @@ def pack_host_copies(
         offset, host = region
     host.copy_(plan.cat(plan.flat), non_blocking=pin)
     views = PackedViews()
-    views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {}, cols, offset)
+    views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {}, cols, offset, plan.memo)
     slot.view_makers.append(functools.partial(_fill_views, views))
     return views
 
@@ -222,6 +226,7 @@ class _Plan:
     total: int
     cat: Any  #: ``torch.cat``
     int32: Any
+    memo: dict[Any, Any] = field(default_factory=dict)  #: ``Packed.memo`` of the copies made by this plan
 
 
 #: The last few plans, by what the parts are: (name, address, shape, strides, dtype) each. The

@@ -129,6 +129,7 @@ class SlotPool:
         self._free = [Slot(i) for i in range(capacity)]
         self._device_bytes = 0
         self._cond = threading.Condition()
+        self._waiting = 0  #: threads in :meth:`acquire`'s wait (``release`` notifies only then)
         self.waits = 0  #: how often a step waited for the writer
 
     def acquire(self) -> Slot:
@@ -147,7 +148,13 @@ class SlotPool:
             if not self._free or self._device_bytes > self.max_device_bytes:
                 self.waits += 1
             while not self._free or (self._device_bytes > self.max_device_bytes and len(self._free) < self.capacity):
-                self._cond.wait()
+                # A timeout: a release without the lock (no device bytes) may come between the test
+                # above and the wait, and notify nobody; the next look finds its slot.
+                self._waiting += 1
+                try:
+                    self._cond.wait(0.01)
+                finally:
+                    self._waiting -= 1
             return self._free.pop()
 
     def has_free(self) -> bool:
@@ -161,13 +168,18 @@ class SlotPool:
             self._device_bytes += nbytes
 
     def release(self, slot: Slot) -> None:
+        """Free ``slot``. Without device bytes and nobody waiting, no lock: ``list.append`` is atomic."""
+        slot.payload = None
+        slot.queued = slot.recorded = False
+        slot.stream = 0
+        if slot.view_makers:
+            slot.view_makers.clear()
+        if not slot.device_bytes and not self._waiting:
+            self._free.append(slot)
+            return
         with self._cond:
             self._device_bytes -= slot.device_bytes
             slot.device_bytes = 0
-            slot.payload = None
-            slot.queued = slot.recorded = False
-            slot.stream = 0
-            slot.view_makers.clear()
             self._free.append(slot)
             self._cond.notify_all()
 

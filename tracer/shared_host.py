@@ -9,13 +9,13 @@ device when the engine runs on CUDA (``cudaHostRegister``), so the step's one de
 copy puts the values where the child reads them, and the message names a place instead of
 carrying the bytes.
 
-The memory is :data:`REGIONS` regions of :data:`REGION_BYTES`, taken round robin, one per
-packed copy (:meth:`SharedHost.take`). A region is free again once the child says it has read
-the message that named it: the child counts the messages it has finished in the first 8 bytes
-(:meth:`SharedHost.finished`, little-endian ``uint64``). Nothing ever waits for a region: when
-the next one is still unread (the child is behind, a slow disk) or too small (a large prefill),
-:meth:`take` says None and that step's copy goes into the slot's own buffer and its bytes down the
-pipe, as before. So a region is reused only after the child has read it, and no step is lost.
+The memory is :data:`REGIONS` regions of :data:`REGION_BYTES`, one per packed copy
+(:meth:`SharedHost.take`). A region is free again once the child says it has read the message
+that named it: the child counts the messages it has finished in the first 8 bytes
+(:func:`finished_counter`, a ``uint64``). Nothing ever waits for a region: when none is free (the
+child is behind, a slow disk) or the copy does not fit one (a large prefill), :meth:`take` says
+None and that step's copy goes into the slot's own buffer and its bytes down the pipe, as before.
+So a region is reused only after the child has read it, and no step is lost.
 
 Imports the standard library only; torch (for the tensor over the memory) when a step asks.
 """
@@ -26,15 +26,16 @@ import contextlib
 import ctypes
 import mmap
 import os
+from collections import deque
 from typing import Any
 
 __all__ = ["HEADER_BYTES", "REGIONS", "REGION_BYTES", "SharedHost", "finished_counter"]
 
 #: Bytes before the first region: the child's count of finished messages (``uint64``), padded.
 HEADER_BYTES = 64
-#: Regions, taken round robin: more than the ring's 64 slots (``tracer.hooks.RING_SLOTS``), so
-#: that the steps queued for one message (``tracer.ring.HAND_OVER_EVERY``) and those the child is
-#: on do not leave the next step without one.
+#: Regions: more than the ring's 64 slots (``tracer.hooks.RING_SLOTS``), so that the steps in
+#: flight, queued for a message (``tracer.ring.HAND_OVER_EVERY``) and those the child is on, do not
+#: leave the next step without one (~20 are in use in the steady state).
 REGIONS = 128
 #: One region: a decode step of 32 requests with a 256-column block table is ~33 KiB packed; a
 #: prefill of 10k tokens ~120 KiB. Larger steps take the slot's own buffer (:meth:`SharedHost.take`).
@@ -69,9 +70,13 @@ class SharedHost:
             raise
         #: the child's count of finished messages, read without a copy
         self._finished = finished_counter(self._map)
-        #: per region: the message that named it (0: none yet, free), or -1 while it is not yet sent
+        #: per region: the message that named it (0: none yet), or -1 while it is not yet sent
         self._sent_in = [0] * regions
-        self._next = 0
+        #: free regions, a stack: the one freed last is taken first, so that in the steady state a
+        #: few regions serve (their views made, their pages warm), not all of them in turn
+        self._free = list(range(regions - 1, -1, -1))
+        #: taken regions, oldest first: the order they are sent in, so the child finishes them in it
+        self._in_flight: deque[int] = deque()
         self._tensor: Any = None  #: int32 view of the whole memory (made on the first ``take``)
         self._pinned = False  #: registered with CUDA (``cudaHostRegister``)
         self._views: dict[tuple[int, int], Any] = {}  #: (region, ints) -> the region's first ints
@@ -90,24 +95,24 @@ class SharedHost:
     def take(self, ints: int, *, pin: bool) -> tuple[int, Any] | None:
         """The next region as an int32 host tensor of ``ints`` elements, with its byte offset; None if unfit.
 
-        None when the region's last message is not yet finished by the child, when ``ints``
-        does not fit a region, or when the memory cannot be page-locked (``pin``: the copy
-        comes from a CUDA device). The region counts as in flight until :meth:`sent` says
-        which message names it.
+        None when every region is in flight (taken, and its message not yet finished by the
+        child), when ``ints`` does not fit a region, or when the memory cannot be page-locked
+        (``pin``: the copy comes from a CUDA device). The region is in flight until the child
+        has finished the message :meth:`sent` says names it.
         """
         if self.disabled or 4 * ints > self.region_bytes:
             self.declined += 1
             return None
-        r = self._next
-        sent_in = self._sent_in[r]
-        if sent_in < 0 or sent_in > self._finished.value:
+        in_flight, sent_in, free = self._in_flight, self._sent_in, self._free
+        finished = self._finished.value
+        while in_flight and 0 < sent_in[in_flight[0]] <= finished:  # read by the child: free again
+            free.append(in_flight.popleft())
+        if not free or ((self._tensor is None or (pin and not self._pinned)) and not self._make_tensor(pin)):
             self.declined += 1
             return None
-        if (self._tensor is None or (pin and not self._pinned)) and not self._make_tensor(pin):
-            self.declined += 1
-            return None
-        self._next = r + 1 if r + 1 < self.regions else 0
-        self._sent_in[r] = -1
+        r = free.pop()
+        in_flight.append(r)
+        sent_in[r] = -1
         view = self._views.get((r, ints))
         if view is None:
             if len(self._views) > 4 * self.regions:

@@ -192,9 +192,18 @@ def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
     operation runs (:func:`_packed_message`). Otherwise each view goes as ``[dtype, shape, bytes]``.
     """
     packed = getattr(host, "packed", None)
+    if packed is not None and packed.shared is not None:  # the copy landed in memory the child maps: name it
+        memo = packed.memo if packed.memo is not None else {}
+        key = tuple(packed.trim.values())  # the plan fixes the rest of how the copy is cut
+        parts = memo.get(key)
+        if parts is None:
+            if not all(_dtype_str(d) is not None for d, _ in packed.like.values()):
+                raise TraceError(f"the record writer process cannot read a host buffer of {packed.like}")
+            if len(memo) >= 64:
+                memo.clear()
+            parts = memo[key] = _parts(packed, cut=False)
+        return {"shared": [packed.shared, parts]}
     if packed is not None and all(_dtype_str(d) is not None for d, _ in packed.like.values()):
-        if packed.shared is not None:  # the copy landed in memory the child maps: name the place
-            return {"shared": [packed.shared, _parts(packed, cut=False)]}
         return {"packed": _packed_message(packed)}
     out = {}
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
