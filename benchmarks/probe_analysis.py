@@ -150,8 +150,9 @@ def pieces_line(passes: list[dict[str, Any]]) -> str:
     """What a timed variant's passes say of the engine thread's share: median µs a step over passes.
 
     ``metadata-parts`` / ``metadata-inline-parts`` time each piece (``parts_us_per_step``, largest
-    first); ``metadata-acct`` / ``metadata-inline-acct`` the tracer's calls in all
-    (``main_us_per_step``) and the hand-over (``writer_us_per_step``). Empty for other variants.
+    first) and count the engine thread's blocks inside each (``parts_blocks_per_pass``);
+    ``metadata-acct`` / ``metadata-inline-acct`` the tracer's calls in all (``main_us_per_step``)
+    and the hand-over (``writer_us_per_step``). Empty for other variants.
     """
     parts = [p["parts_us_per_step"] for p in passes if p.get("parts_us_per_step")]
     out = []
@@ -160,6 +161,12 @@ def pieces_line(passes: list[dict[str, Any]]) -> str:
         medians = {name: statistics.median(p.get(name, 0.0) for p in parts) for name in names}
         listed = ", ".join(f"{name} {us:g}" for name, us in sorted(medians.items(), key=lambda kv: -kv[1]))
         out.append(f"pieces, median µs a step over {len(parts)} passes: {listed}")
+    blocks = [p["parts_blocks_per_pass"] for p in passes if p.get("parts_blocks_per_pass")]
+    if blocks:
+        names = {name for p in blocks for name in p}
+        medians = {name: statistics.median(p.get(name, 0) for p in blocks) for name in names}
+        listed = ", ".join(f"{name} {n:g}" for name, n in sorted(medians.items(), key=lambda kv: -kv[1]) if n)
+        out.append(f"blocked inside, median a pass: {listed or 'none'}")
     for key, label in (("main_us_per_step", "tracer calls"), ("writer_us_per_step", "hand-over")):
         values = [p[key] for p in passes if key in p]
         if values:

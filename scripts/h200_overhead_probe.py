@@ -275,8 +275,10 @@ def main() -> None:
         spent = {"main_s": 0.0, "writer_s": 0.0}
         undo: list = []
         acct: dict = {}
+        blocks: dict[str, int] = {}
         if variant.endswith("-parts"):
-            # Where the engine thread's share goes: each piece timed on its own (``parts_us_per_step``).
+            # Where the engine thread's share goes: each piece timed on its own (``parts_us_per_step``),
+            # and how often the engine's thread blocked inside it (``parts_blocks_per_pass``).
             import tracer.hooks as hooks_module
 
             for owner, name in (
@@ -295,7 +297,8 @@ def main() -> None:
             ):
                 original = getattr(owner, name)
                 spent[name] = 0.0
-                setattr(owner, name, _timed(original, spent, name))
+                blocks[name] = 0
+                setattr(owner, name, _timed(original, spent, name, blocks))
                 undo.append((owner, name, original))
         if "acct" in variant:
             # Time every call into the tracer from the engine's thread, and the writer's handling of
@@ -308,6 +311,7 @@ def main() -> None:
                 t._thread._end = _timed(t._thread._end, spent, "writer_s")
         warm_up(bs)  # untimed: the trace's first record writes its manifest; slot buffers get pinned
         spent.update(dict.fromkeys(spent, 0.0))
+        blocks.update(dict.fromkeys(blocks, 0))
         steps0 = t.step
         s, tok = timed(bs)
         per_step = step_stats()
@@ -319,6 +323,7 @@ def main() -> None:
             acct["parts_us_per_step"] = {
                 k: round(v / max(steps, 1) * 1e6, 1) for k, v in spent.items() if k not in ("main_s", "writer_s")
             }
+            acct["parts_blocks_per_pass"] = dict(blocks)
         os.environ.pop("PAGEDTRACE_EVENT_WAIT", None)
         os.environ.pop("PAGEDTRACE_WRITER", None)
         os.environ.pop("PAGEDTRACE_EVENT_ON", None)
@@ -585,17 +590,39 @@ def _check_trace(directory: str) -> dict[str, int]:
     return {"records": len(records), "problems": problems, "not_advancing": stale, "read": len(trace.problems)}
 
 
-def _timed(fn, spent: dict[str, float], key: str):
-    """``fn``, adding the seconds each call takes to ``spent[key]``."""
+def _timed(fn, spent: dict[str, float], key: str, blocks: dict[str, int] | None = None):
+    """``fn``, adding the seconds each call takes to ``spent[key]``.
 
-    def timed(*args, **kwargs):
+    ``blocks``: also add how often the calling thread blocked inside the call (slept on a lock,
+    the GIL or a system call: Linux's voluntary context switches of the thread, one ``getrusage``
+    before and after) to ``blocks[key]``. Pieces nest (``submit`` holds ``_handle`` and ``_end``):
+    each counts what happened inside it.
+    """
+    import resource
+
+    thread = getattr(resource, "RUSAGE_THREAD", None)
+    if blocks is None or thread is None:
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t0
+
+        return timed
+    usage = resource.getrusage
+
+    def timed_blocks(*args, **kwargs):
+        v0 = usage(thread).ru_nvcsw
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             spent[key] += time.perf_counter() - t0
+            blocks[key] += usage(thread).ru_nvcsw - v0
 
-    return timed
+    return timed_blocks
 
 
 def paired_interval(ratios: list[float], *, resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:

@@ -128,3 +128,34 @@ def test_a_timed_variants_pieces_are_the_medians_over_its_passes(analysis):
         "tracer calls 160 µs a step (median of 3 passes)"
     )
     assert analysis.pieces_line([{"host": {"vol": 4}}]) == ""
+
+
+def test_the_blocks_inside_each_piece_are_the_medians_over_its_passes(analysis):
+    passes = [
+        {"parts_us_per_step": {"submit": 30.0}, "parts_blocks_per_pass": {"submit": 24, "_end": 22, "_req_ids": 0}},
+        {"parts_us_per_step": {"submit": 20.0}, "parts_blocks_per_pass": {"submit": 30, "_end": 2, "_req_ids": 0}},
+        {"parts_us_per_step": {"submit": 10.0}, "parts_blocks_per_pass": {"submit": 26, "_end": 20, "_req_ids": 0}},
+    ]
+    assert analysis.pieces_line(passes) == (
+        "pieces, median µs a step over 3 passes: submit 20; blocked inside, median a pass: submit 26, _end 20"
+    )
+    quiet = [{"parts_us_per_step": {"submit": 1.0}, "parts_blocks_per_pass": {"submit": 0}}]
+    assert analysis.pieces_line(quiet).endswith("blocked inside, median a pass: none")
+
+
+def test_the_probe_counts_the_blocks_inside_a_timed_piece():
+    """``_timed`` with ``blocks``: a call that sleeps blocks the thread at least once; a pure one not."""
+    import resource
+    import time
+
+    if not hasattr(resource, "RUSAGE_THREAD"):
+        pytest.skip("RUSAGE_THREAD is Linux's")
+    probe = load_script("scripts/h200_overhead_probe.py")
+    spent, blocks = {"sleep": 0.0, "sum": 0.0}, {"sleep": 0, "sum": 0}
+    sleep = probe._timed(lambda: time.sleep(0.01), spent, "sleep", blocks)
+    add = probe._timed(lambda: sum(range(1000)), spent, "sum", blocks)
+    for _ in range(3):
+        sleep()
+        add()
+    assert blocks["sleep"] >= 3 and blocks["sum"] == 0
+    assert spent["sleep"] >= 0.03

@@ -40,7 +40,8 @@ shutdown SIGKILLs the worker's descendants, and a record still in the pipe would
 it. Its first line on stdout is :data:`STARTED` with its pid, its last :data:`DONE` when it
 ended well; a child that ended without it was killed.
 
-Imports the standard library, ``msgspec`` (a dependency of vLLM) and the bottom layer only.
+Imports the standard library, ``msgspec`` (a dependency of vLLM), the bottom layer and
+``tracer.shared_host`` (standard library only) at module level.
 """
 
 from __future__ import annotations
