@@ -52,19 +52,11 @@ def test_the_child_reads_what_a_copy_put_in_a_region():
     host.close()
 
 
-def _values_steps(t, n: int) -> None:
-    """``n`` request steps of the fake engine whose metadata changes every step (the runner's buffers in place)."""
-    _, runner, sched, md = t._test_engine
-    for i in range(n):
-        md.seq_lens[:3] = torch.tensor([1 + i % 16, 16 - i % 16, 1 + (3 * i) % 16], dtype=torch.int32)
-        md.max_seq_len = int(md.seq_lens.max())
-        md.slot_mapping[:3] = torch.tensor([i, 1000 + i, 2000 + i])
-        t._phase, t._depth = ["request"], 1
-        t._begin_step()
-        t._v2_req_ids = ("a", "b", "c")
-        t._dispatch = ("full", 4)
-        t._end_request_step(runner, (sched,), {})
-        t._submit_slot()
+def _new_values(i: int, md) -> None:
+    """The runner's buffers, written in place before step ``i``: other values every step."""
+    md.seq_lens[:3] = torch.tensor([1 + i % 16, 16 - i % 16, 1 + (3 * i) % 16], dtype=torch.int32)
+    md.max_seq_len = int(md.seq_lens.max())
+    md.slot_mapping[:3] = torch.tensor([i, 1000 + i, 2000 + i])
 
 
 @pytest.mark.parametrize("mode", ["inline", "process"])
@@ -73,6 +65,7 @@ def test_steps_through_two_regions_write_every_step_as_the_pipe_does(tmp_path, m
     is behind) and send their bytes; those that take one are not overwritten before the child reads
     them. The records are the pipe's, step for step."""
     from tests.test_hooks import _fake_step_engine
+    from tests.test_writer_process import _steps
 
     monkeypatch.setenv("PAGEDTRACE_WRITER", mode)
     monkeypatch.setattr(shared_host, "REGIONS", 2)
@@ -84,7 +77,7 @@ def test_steps_through_two_regions_write_every_step_as_the_pipe_does(tmp_path, m
         t._sink.start()
         memory = t._sink.shared_host()
         assert (memory is not None) == (host == "shared")
-        _values_steps(t, 40)
+        _steps(t, 40, before=_new_values)
         t._thread.close()
         t._sink.finish()
         assert t.error is None

@@ -20,10 +20,15 @@ from tracer.ring import InlineWriter, WriterThread
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _steps(t, n: int, *, gap_at: int | None = None) -> None:
-    """``n`` request steps of the fake engine (a padded full-graph replay each), a gap before step ``gap_at``."""
-    _, runner, sched, _ = t._test_engine
+def _steps(t, n: int, *, gap_at: int | None = None, before=None) -> None:
+    """``n`` request steps of the fake engine (a padded full-graph replay each), a gap before step ``gap_at``.
+
+    ``before(i, md)``: called before step ``i`` (a test that changes the runner's buffers in place).
+    """
+    _, runner, sched, md = t._test_engine
     for i in range(n):
+        if before is not None:
+            before(i, md)
         t._phase, t._depth = ["request"], 1
         t._begin_step()
         if i == gap_at:
