@@ -96,3 +96,23 @@ def test_a_bad_host_setting_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDTRACE_HOST", "disk")
     with pytest.raises(ValueError, match="PAGEDTRACE_HOST='disk': expected 'shared' or 'pipe'"):
         shared_memory()
+
+
+def test_memory_that_cannot_be_page_locked_is_not_used_and_the_failure_is_cleared(monkeypatch):
+    """``cudaHostRegister`` failing: no region is taken again (the slots' pinned buffers serve), and the
+    runtime's last error is reset, since torch would read it after the engine's next kernel launch."""
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, size, flags):  # the CUDA runtime's name
+            calls.append(("register", size))
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
+    monkeypatch.setattr(shared_host, "_clear_last_cuda_error", lambda torch: calls.append("cleared"))
+    host = SharedHost(regions=2, region_bytes=64)
+    assert host.take(4, pin=True) is None
+    assert calls == [("register", host.size), "cleared"] and host.disabled
+    assert host.take(4, pin=True) is None and host.take(4, pin=False) is None  # tried once only
+    assert calls == [("register", host.size), "cleared"]
+    host.close()

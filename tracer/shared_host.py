@@ -134,7 +134,10 @@ class SharedHost:
             self._tensor = torch.frombuffer(self._map, dtype=torch.int32)
         if pin and not self._pinned:
             code = int(torch.cuda.cudart().cudaHostRegister(self._tensor.data_ptr(), self.size, 0))
-            if code != 0:  # e.g. the locked-memory limit: the slots' own pinned buffers serve
+            if code != 0:  # the slots' own pinned buffers serve
+                # The runtime keeps a failed call's error as this thread's last error, and torch
+                # checks that after every kernel launch: left there, it would fail the engine's next one.
+                _clear_last_cuda_error(torch)
                 self.disabled = True
                 return False
             self._pinned = True
@@ -164,6 +167,20 @@ class SharedHost:
         if mapped is not None:
             with contextlib.suppress(BufferError):  # a view still held elsewhere keeps the mapping
                 mapped.close()
+
+
+def _clear_last_cuda_error(torch: Any) -> None:
+    """Reset the CUDA runtime's last error on this thread (``cudaGetLastError``), best effort.
+
+    torch exposes no ``cudaGetLastError``; the runtime it loaded is found by its soname.
+    """
+    major = str(getattr(torch.version, "cuda", "") or "").split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def finished_counter(mapped: Any) -> Any:
