@@ -73,6 +73,54 @@ def test_the_process_writes_what_the_thread_writes(tmp_path, monkeypatch):
     assert lines["process"] == lines["thread"] == lines["inline"]
 
 
+@pytest.mark.parametrize("read", ["poll", "wait"])
+def test_the_child_reads_its_pipe_by_looking_or_by_waiting_and_writes_the_same(tmp_path, monkeypatch, read):
+    monkeypatch.setenv("PAGEDTRACE_CHILD_READ", read)
+    t = _engine(tmp_path, monkeypatch, "inline")
+    assert t._sink.records_out.poll == (read == "poll")
+    _steps(t, 3)
+    t.drain()  # a sync: answered once the child has read everything before it
+    assert len((tmp_path / "trace" / "steps.jsonl").read_text().splitlines()) == 3
+    _steps(t, 2, gap_at=0)
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is None
+    trace = Trace.open(tmp_path / "trace")
+    assert [r.step for r in trace.records] == [0, 1, 2, 3, 4] and len(trace.gaps) == 1
+
+
+def test_polled_input_gives_exact_messages_across_writes_and_none_at_the_end():
+    """Bytes that come in pieces, with pauses, are read whole; a message cut by the end of input is None."""
+    import threading
+    import time
+
+    from tracer.writer_process import PolledInput
+
+    read_fd, write_fd = os.pipe()
+    reader = PolledInput(read_fd, poll_s=(0.001, 0.004))
+
+    def write() -> None:
+        for piece in (b"ab", b"cdef", b"g" * 70000, b"hi"):
+            os.write(write_fd, piece)
+            time.sleep(0.01)
+        os.close(write_fd)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert reader.read_exact(3) == b"abc"
+    assert reader.read_exact(3) == b"def"
+    assert reader.read_exact(70000) == b"g" * 70000
+    assert reader.read_exact(5) is None  # "hi", then the end: cut short
+    writer.join()
+    os.close(read_fd)
+
+
+def test_a_bad_child_read_setting_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDTRACE_CHILD_READ", "peek")
+    with pytest.raises(ValueError, match=r"^PAGEDTRACE_CHILD_READ='peek': expected 'poll' or 'wait'$"):
+        Tracer(TracerOptions(str(tmp_path / "t")))
+
+
 def test_a_bad_writer_setting_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDTRACE_WRITER", "elsewhere")
     with pytest.raises(

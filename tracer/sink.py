@@ -27,7 +27,7 @@ from tracer.ring import Slot
 from tracer.runtime import cuda_available
 from tracer.shared_host import SharedHost
 from tracer.writelog import INT_OF_SIZE, WriteLog
-from tracer.writer_process import RecordProcess, host_message, shared_memory, writer_mode
+from tracer.writer_process import RecordProcess, child_polls, host_message, shared_memory, writer_mode
 
 __all__ = ["TraceSink"]
 
@@ -60,9 +60,9 @@ class TraceSink:
         #: process, several steps a message (``tracer.ring.InlineWriter``); a tensor trace keeps its
         #: writer thread
         self.inline = mode == "inline" and not options.tensors
-        self.records_out = (
-            RecordProcess(self.directory, shared=shared_memory()) if not options.tensors and mode != "thread" else None
-        )
+        self.records_out = None
+        if not options.tensors and mode != "thread":
+            self.records_out = RecordProcess(self.directory, shared=shared_memory(), poll=child_polls())
         #: the next message: (hosts, items, the byte offsets of the shared regions its hosts name)
         self._outgoing: tuple[list[Any], list[Any], list[int]] = ([], [], [])
         self._layers_sent: dict[str, tuple[Any, ...]] = {}  # layer -> LayerCapture.layer_key() last sent

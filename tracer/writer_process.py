@@ -33,7 +33,11 @@ with no writer thread (``tracer.ring.InlineWriter``); ``process`` hands them ove
 thread; ``thread`` keeps the records on the writer thread. The child is only used for traces
 without tensors: tensor steps copy from the device on the writer thread.
 
-    python -m tracer.writer_process --detach      (started by RecordProcess, not by hand)
+    python -m tracer.writer_process --detach [--poll] [--shared FD SIZE]   (RecordProcess starts it)
+
+``--poll`` (``PAGEDTRACE_CHILD_READ=poll``, the default): the child reads its pipe by looking
+between short sleeps, never by waiting in ``read``, so the engine's writes wake nobody
+(:class:`PolledInput`).
 
 It detaches at once (a fork; the first process ends), so that it is nobody's child: vLLM's
 shutdown SIGKILLs the worker's descendants, and a record still in the pipe would be lost with
@@ -49,6 +53,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import functools
 import os
 import struct
 import subprocess
@@ -62,12 +67,25 @@ from tracer.format import TraceError
 from tracer.options import env_choice
 from tracer.shared_host import SharedHost, finished_counter
 
-__all__ = ["ENV_HOST", "ENV_WRITER", "RecordProcess", "host_message", "main", "shared_memory", "writer_mode"]
+__all__ = [
+    "ENV_CHILD_READ",
+    "ENV_HOST",
+    "ENV_WRITER",
+    "PolledInput",
+    "RecordProcess",
+    "child_polls",
+    "host_message",
+    "main",
+    "shared_memory",
+    "writer_mode",
+]
 
 #: ``inline`` (the default), ``process`` or ``thread``: how a trace without tensors reaches its records.
 ENV_WRITER = "PAGEDTRACE_WRITER"
 #: ``shared`` (the default) or ``pipe``: where a metadata step's copy lands for the record process.
 ENV_HOST = "PAGEDTRACE_HOST"
+#: ``poll`` (the default) or ``wait``: how the record process reads its pipe (:class:`PolledInput`).
+ENV_CHILD_READ = "PAGEDTRACE_CHILD_READ"
 
 _LENGTH = struct.Struct("<I")
 #: The child's answer to ``["sync"]``: every record sent before it is written.
@@ -89,6 +107,15 @@ def writer_mode() -> str:
     against ~500.
     """
     return env_choice(ENV_WRITER, ("inline", "process", "thread"))
+
+
+def child_polls() -> bool:
+    """``PAGEDTRACE_CHILD_READ``: ``poll`` (default) or ``wait``; anything else is a one-line ValueError.
+
+    ``poll``: the record process looks at its pipe between short sleeps (:class:`PolledInput`), so
+    the engine's writes wake nobody; ``wait``: it sleeps in ``read`` and each write wakes it.
+    """
+    return env_choice(ENV_CHILD_READ, ("poll", "wait")) == "poll"
 
 
 def shared_memory() -> bool:
@@ -216,11 +243,13 @@ def host_message(host: dict[str, Any]) -> dict[str, list[Any]]:
 class RecordProcess:
     """The child process that writes a trace's records (:meth:`start`, or the first :meth:`send`)."""
 
-    def __init__(self, directory: Callable[[], Path], *, batch: int = 1, shared: bool = False):
+    def __init__(self, directory: Callable[[], Path], *, batch: int = 1, shared: bool = False, poll: bool = False):
         #: the trace directory, asked at the first send: a tensor-parallel rank is known only by then
         self.directory = directory
         #: make host memory the child maps (``tracer.shared_host``) when it starts
         self.shared = shared
+        #: the child reads its pipe by looking, not by waiting (:class:`PolledInput`)
+        self.poll = poll
         #: that memory, once the child has it (None: every copy's bytes go down the pipe)
         self.shared_host: SharedHost | None = None
         #: messages queued so far (the child counts those it has finished in ``shared_host``)
@@ -353,7 +382,7 @@ class RecordProcess:
                 shared = SharedHost()
             except OSError:  # no memfd: every copy's bytes go down the pipe
                 shared = None
-        argv = [sys.executable, "-m", "tracer.writer_process", "--detach"]
+        argv = [sys.executable, "-m", "tracer.writer_process", "--detach", *(["--poll"] if self.poll else [])]
         fds: tuple[int, ...] = ()
         if shared is not None and shared.fd is not None:
             argv += ["--shared", str(shared.fd), str(shared.size)]
@@ -417,6 +446,53 @@ def _grow_pipe(stream: Any) -> None:
 def _read_exact(stream: Any, n: int) -> bytes | None:
     data = stream.read(n)
     return data if data is not None and len(data) == n else None
+
+
+#: The child's pauses between looks at an empty pipe (:class:`PolledInput`): from the first to the
+#: last, doubling while nothing comes, back to the first once something does.
+POLL_S = (0.0005, 0.02)
+
+
+class PolledInput:
+    """The child's stdin read by looking, never by waiting on it: a write to the pipe wakes nobody.
+
+    A reader asleep in ``read`` is woken by every write, and Linux may run it at once on the
+    writer's CPU, the engine's (a "sync" pipe wake-up): on the 2-core CPU stand-in a write took the
+    engine's thread ~0.7 ms of wall time for ~0.07 ms of CPU. Here the pipe is non-blocking and the
+    child sleeps :data:`POLL_S` between looks, so its wake-ups are its own timer's, wherever it
+    last ran. ``read_exact(n)``: ``n`` bytes, or None at end of input (or a message cut short by it).
+    """
+
+    def __init__(self, fd: int, poll_s: tuple[float, float] = POLL_S):
+        import fcntl
+
+        self._fd = fd
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+        self._buffer = bytearray()
+        self._first, self._last = poll_s
+        self._ended = False
+
+    def read_exact(self, n: int) -> bytes | None:
+        import time
+
+        pause = self._first
+        while len(self._buffer) < n and not self._ended:
+            try:
+                chunk = os.read(self._fd, max(n - len(self._buffer), 1 << 16))
+            except BlockingIOError:
+                time.sleep(pause)
+                pause = min(2 * pause, self._last)
+                continue
+            if not chunk:
+                self._ended = True
+                break
+            self._buffer += chunk
+            pause = self._first
+        if len(self._buffer) < n:
+            return None
+        out = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return out
 
 
 #: ``numpy`` dtype strings of the host buffers -> ``array`` type codes of that size (checked below).
@@ -492,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.fork():
             os._exit(0)
         _say(STARTED + str(os.getpid()).encode() + b"\n")
-    code = _records(shared)
+    code = _records(shared, poll="--poll" in args)
     if code == 0:
         _say(DONE)
     return code
@@ -504,11 +580,12 @@ def _say(line: bytes) -> None:
         sys.stdout.flush()
 
 
-def _records(shared: Any = None) -> int:
+def _records(shared: Any = None, *, poll: bool = False) -> int:
     """Records from stdin (:func:`main`): 0 at end of input, 3 after a one-line error on stdout.
 
     ``shared``: the mapping of the engine's shared host memory; after each message, the count of
     messages finished goes into it, so that the engine may reuse the regions they named.
+    ``poll``: stdin is read by looking (:class:`PolledInput`), not by waiting on it.
     """
     import msgspec
 
@@ -517,7 +594,10 @@ def _records(shared: Any = None) -> int:
     from tracer.pending import make_record
 
     decode = msgspec.msgpack.Decoder().decode
-    stdin = sys.stdin.buffer
+    if poll:
+        read_exact = PolledInput(sys.stdin.fileno()).read_exact
+    else:
+        read_exact = functools.partial(_read_exact, sys.stdin.buffer)
     writer = None
     directory = ""
     layers: dict[str, dict[str, Any]] = {}  # layer -> its fields that no step changes
@@ -526,10 +606,10 @@ def _records(shared: Any = None) -> int:
     counter = finished_counter(shared) if shared is not None else None
     try:
         while True:
-            head = _read_exact(stdin, _LENGTH.size)
+            head = read_exact(_LENGTH.size)
             if head is None:
                 return 0
-            body = _read_exact(stdin, _LENGTH.unpack(head)[0])
+            body = read_exact(_LENGTH.unpack(head)[0])
             if body is None:
                 return 0  # the tracer's process died mid-message: what came whole is written
             hosts, items = decode(body)
