@@ -3,8 +3,9 @@
 #   T=575 U=455 [V=variants] bash scripts/h200-probe.sh
 # T: the call's time limit (s); U: no round starts after U s (leave ~100 s for the engine's start
 # and the last round); V: the variants, interleaved round by round (default: untraced, the tracer
-# as it is by default, and its writer-thread form). Writes $OUT/probe.txt, probe.json,
-# clocks.txt.xz and gpu.txt; read them with benchmarks/probe_analysis.py (several runs pool).
+# as it is by default, and the same with its copies' bytes sent down the pipe, as before session
+# 11). Writes $OUT/probe.txt, probe.json, clocks.txt.xz and gpu.txt; read them with
+# benchmarks/probe_analysis.py (several runs pool).
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
@@ -19,7 +20,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.sm,power.limit,pstate --format=csv | tee "$OUT/gpu.txt"
 echo "nproc: $(nproc)" >> "$OUT/gpu.txt"
 timeout "${T:-575}" python3 scripts/h200_overhead_probe.py --mode PIECEWISE --rounds 400 --until "${U:-455}" --no-profile \
-  --variants "${V:-untraced,metadata,metadata-process}" \
+  --variants "${V:-untraced,metadata,metadata-pipe}" \
   --clocks "$OUT/clocks.txt" --json "$OUT/probe.json" 2>&1 \
   | grep -v "^\(INFO\|WARNING\|\[\|(EngineCore\)" | grep -v "Capturing CUDA graphs" > "$OUT/probe.txt"
 echo "probe rc ${PIPESTATUS[0]}"
