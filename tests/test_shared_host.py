@@ -116,3 +116,21 @@ def test_memory_that_cannot_be_page_locked_is_not_used_and_the_failure_is_cleare
     assert host.take(4, pin=True) is None and host.take(4, pin=False) is None  # tried once only
     assert calls == [("register", host.size), "cleared"]
     host.close()
+
+
+def test_the_tracer_says_how_its_steps_copies_went(tmp_path, monkeypatch):
+    """The sink's stats (``Tracer.stats`` after ``stop``): copies into shared memory and down the pipe
+    (two regions for 40 steps: both kinds)."""
+    from tests.test_hooks import _fake_step_engine
+    from tests.test_writer_process import _steps
+
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
+    monkeypatch.setattr(shared_host, "REGIONS", 2)
+    t, runner, sched, md = _fake_step_engine(tmp_path)
+    t._test_engine = (t, runner, sched, md)
+    t._sink.start()
+    _steps(t, 40)
+    t._thread.close()  # what stop() does (this tracer was not started: no hooks to remove)
+    t._sink.finish()
+    stats = t._sink.stats
+    assert stats["shared_copies"] + stats["pipe_copies"] == 40 and stats["shared_copies"] >= 2

@@ -244,8 +244,8 @@ class Tracer:
                 if self._thread is not None:
                     self._thread.close()
                     self._thread = None
-                self.stats.update(self._sink.stats, ring_waits=self._pool.waits)
                 self._sink.finish()
+                self.stats.update(self._sink.stats, ring_waits=self._pool.waits)
             finally:
                 self._restore_bypassed()
                 self._uninstall()

@@ -332,6 +332,9 @@ class TraceSink:
     def finish(self) -> None:
         """Close the trace (the record writer process first); mark the manifest finished unless recording failed."""
         if self.records_out is not None:
+            host = self.records_out.shared_host
+            if host is not None:  # how the steps' copies went: into shared memory, or down the pipe
+                self.stats["shared_copies"], self.stats["pipe_copies"] = host.taken, host.declined
             error = self.records_out.close()
             if error is not None and not self.failed:
                 self.on_fail(error)
