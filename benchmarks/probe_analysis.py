@@ -14,7 +14,8 @@ against ``untraced`` with a 95 % bootstrap interval over rounds (the probe's ``p
    add per pass beyond that median;
 4. **blocked**: how often the engine's thread blocked during a pass (``voluntary_ctxt_switches``,
    ``host.vol`` in the probe's round lines): a thread that waits for the GIL another thread holds
-   sleeps on it.
+   sleeps on it; then the CPU the engine's process (every thread) and the record process took
+   a pass (probes from session 12 on).
 
 Variants that time the engine thread's share (``*-parts``, ``*-acct``) also get a line of its
 pieces, median µs a step over their passes.
@@ -131,19 +132,37 @@ def report_run(run: dict[str, Any], stats: dict[str, Any], args: argparse.Namesp
         every = ratios(summary, v, "untraced")
         return _interval([every[r] for r in rounds], paired_interval)
 
-    print(f"{'variant':22s} {'all rounds':24s} {'quiet rounds':24s} {'slow steps':>10s} {'adds/pass':>10s} blocked")
+    print(
+        f"{'variant':22s} {'all rounds':24s} {'quiet rounds':24s} {'slow steps':>10s} {'adds/pass':>10s} "
+        f"{'blocked':>10s} {'cpu/pass':>9s} {'child':>7s}"
+    )
     for v in variants:
         every = list(range(len(untraced)))
         share, extra = slow_steps(steps.get(v, []), base * args.slow) if base else (0.0, 0.0)
-        vol = [s.get("host", {}).get("vol") for s in stats.get(v, [])]
-        blocked = f"{statistics.median(vol):g}/pass" if vol and None not in vol else "-"
+        blocked = _host_median(stats.get(v, []), "vol", "{:g}/pass")
+        cpu = _host_median(stats.get(v, []), "proc_cpu_ms", "{:g}ms")
+        child = _host_median(stats.get(v, []), "child_cpu_ms", "{:g}ms")
         all_s = "1" if v == "untraced" else interval(v, every)
         quiet_s = "1" if v == "untraced" else interval(v, quiet)
-        print(f"{v:22s} {all_s:24s} {quiet_s:24s} {share:10.1%} {extra * 1e3:8.1f}ms {blocked}")
+        print(
+            f"{v:22s} {all_s:24s} {quiet_s:24s} {share:10.1%} {extra * 1e3:8.1f}ms {blocked:>10s} {cpu:>9s} {child:>7s}"
+        )
     for v in variants:
         line = pieces_line(stats.get(v, []))
         if line:
             print(f"{v}: {line}")
+
+
+def _host_median(passes: list[dict[str, Any]], key: str, form: str) -> str:
+    """The median over passes of one of the probe's host figures (``host``), or "-" where a pass lacks it.
+
+    ``vol``: the engine thread's blocks; ``proc_cpu_ms``: the engine process's CPU, every thread;
+    ``child_cpu_ms``: the record process's (probes from session 12 on).
+    """
+    values = [p.get("host", {}).get(key) for p in passes]
+    if not values or None in values:
+        return "-"
+    return form.format(statistics.median(values))
 
 
 def pieces_line(passes: list[dict[str, Any]]) -> str:

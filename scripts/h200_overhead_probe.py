@@ -23,6 +23,9 @@ round so drift cancels. Variants:
                       their bytes go down the pipe to the record process (``PAGEDTRACE_HOST=pipe``,
                       as before session 11; the default lands them in memory that process maps,
                       ``tracer.shared_host``); ``metadata-pipe-parts`` times its pieces
+* ``metadata-look10`` the default, its idle thread looking 10 times a second (``PAGEDTRACE_IDLE_LOOK_S=0.1``,
+                      as before session 12; the default looks once a second); ``metadata-noidle``: no
+                      idle thread (``0``)
 * ``metadata-nowriter`` the writer thread does nothing with a slot (records lost): the engine's share alone
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
                       thread and of the writer's handling of each slot summed (``tracer_main_ms``,
@@ -86,6 +89,8 @@ KNOWN_VARIANTS = (
     "metadata-inline-parts",
     "metadata-pipe",
     "metadata-pipe-parts",
+    "metadata-look10",
+    "metadata-noidle",
     "metadata-nowriter",
     "metadata-acct",
     "metadata-inline-acct",
@@ -213,19 +218,20 @@ def main() -> None:
     llm.llm_engine.step = timed_step
 
     host: dict[str, Any] = {}  # the timed pass's host figures (``_host_now`` before and after)
+    child: list[int | None] = [None]  # the record process's pid, whose CPU the timed pass also reads
 
     def timed(bs: list[list]) -> tuple[float, list]:
         gc_pause[0] = 0.0
         gc_runs.clear()
         step_s.clear()
         step_at.clear()
-        before = _host_now()
+        before = _host_now(child[0])
         t0 = time.perf_counter()
         tokens = []
         for b in bs:
             tokens += [list(o.outputs[0].token_ids) for o in llm.generate(b, params, use_tqdm=False)]
         took = time.perf_counter() - t0
-        after = _host_now()
+        after = _host_now(child[0])
         host.clear()
         host.update({k: after[k] - before[k] for k in before if k != "cpu"})
         host["cpu"] = [before["cpu"], after["cpu"]]
@@ -251,6 +257,7 @@ def main() -> None:
         llm.generate(bs[0][:2], SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
 
     def run(variant: str, bs: list[list]) -> tuple[float, list, dict]:
+        child[0] = None
         if variant == "untraced":
             warm_up(bs)
             s, tok = timed(bs)
@@ -260,6 +267,8 @@ def main() -> None:
         os.environ["PAGEDTRACE_EVENT_ON"] = "writer" if variant == "metadata-writerevent" else "engine"
         # metadata-pipe: the copies land in the slots' own buffers and their bytes go down the pipe
         os.environ["PAGEDTRACE_HOST"] = "pipe" if variant.startswith("metadata-pipe") else "shared"
+        # the inline writer's idle thread: a look a second by default; 10 a second before session 12; none
+        os.environ["PAGEDTRACE_IDLE_LOOK_S"] = {"metadata-look10": "0.1", "metadata-noidle": "0"}.get(variant, "")
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
         kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}
@@ -310,6 +319,7 @@ def main() -> None:
             if t._thread._end is not None:
                 t._thread._end = _timed(t._thread._end, spent, "writer_s")
         warm_up(bs)  # untimed: the trace's first record writes its manifest; slot buffers get pinned
+        child[0] = getattr(getattr(t._sink, "records_out", None), "pid", None)
         spent.update(dict.fromkeys(spent, 0.0))
         blocks.update(dict.fromkeys(blocks, 0))
         steps0 = t.step
@@ -328,6 +338,7 @@ def main() -> None:
         os.environ.pop("PAGEDTRACE_WRITER", None)
         os.environ.pop("PAGEDTRACE_EVENT_ON", None)
         os.environ.pop("PAGEDTRACE_HOST", None)
+        os.environ.pop("PAGEDTRACE_IDLE_LOOK_S", None)
         if variant.startswith("metadata") and variant != "metadata-nowriter":
             acct["check"] = _check_trace(directory)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)
@@ -471,14 +482,27 @@ def main() -> None:
     print(out.getvalue()[:12000])
 
 
-def _host_now() -> dict[str, int]:
+def _cpu_ms(stat_path: str) -> int:
+    """User + system CPU of a process (``/proc/PID/stat``), in ms; -1 if it cannot be read."""
+    try:
+        stat = Path(stat_path).read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return round((int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _host_now(child: int | None = None) -> dict[str, int]:
     """The engine thread's context switches and CPU, and the host's steal time (Linux ``/proc``).
 
     ``vol``: the thread blocked (a wait for the GIL is a futex wait); ``invol``: it was preempted
     (another thread or process wanted its CPU); ``steal_ticks``: time the hypervisor gave the
-    VM's CPUs to someone else; ``cpu``: the CPU the thread is on.
+    VM's CPUs to someone else; ``cpu``: the CPU the thread is on; ``proc_cpu_ms``: the engine
+    process's CPU, every thread; ``child_cpu_ms``: the record process's (-1 without one).
     """
     out = {"vol": -1, "invol": -1, "steal_ticks": -1, "cpu": -1}
+    out["proc_cpu_ms"] = _cpu_ms("/proc/self/stat")
+    out["child_cpu_ms"] = _cpu_ms(f"/proc/{child}/stat") if child else -1
     try:
         for line in Path("/proc/thread-self/status").read_text().splitlines():
             if line.startswith("voluntary_ctxt_switches:"):

@@ -138,7 +138,7 @@ def test_stop_hands_over_the_last_steps(tmp_path, monkeypatch, mode):
 
 def test_the_last_steps_before_the_engine_idles_are_handed_over_without_another_step():
     pool, log, handled = SlotPool(8), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.02)
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.02, look_s=0.02)
     slot = _step(pool, writer, log, 0)
     slot.event.fired = True  # the device finished; no step follows
     deadline = time.monotonic() + 5
@@ -152,7 +152,7 @@ def test_the_idle_thread_keeps_off_the_device_while_graphs_are_captured():
     pool, log, handled = SlotPool(8), [], []
     capturing = [True]
     writer = InlineWriter(
-        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.01, busy=lambda: capturing[0]
+        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.01, look_s=0.01, busy=lambda: capturing[0]
     )
     _step(pool, writer, log, 0)
     time.sleep(0.2)
@@ -160,6 +160,92 @@ def test_the_idle_thread_keeps_off_the_device_while_graphs_are_captured():
     capturing[0] = False
     writer.close()
     assert handled == [0]
+
+
+class _LookCounter:
+    """``tracer.ring``'s ``time``, counting the idle thread's looks (each asks the clock once)."""
+
+    def __init__(self):
+        self.looks = 0
+
+    def monotonic(self) -> float:
+        if threading.current_thread().name == "pagedtrace-idle":
+            self.looks += 1
+        return time.monotonic()
+
+
+def test_while_steps_run_the_idle_thread_looks_once_a_look_period_not_more(monkeypatch):
+    # Each look takes the GIL from the engine's thread: at 10 looks a second it slept ~50 times a
+    # 2 s pass on the H200. Steps every 5 ms for 0.9 s, a look every 0.3 s: at most 3-4 looks.
+    import tracer.ring as ring
+
+    clock = _LookCounter()
+    monkeypatch.setattr(ring, "time", clock)
+    pool, log, handled = SlotPool(64), [], []
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.1, look_s=0.3, every=1)
+    start, i = time.monotonic(), 0
+    while time.monotonic() - start < 0.9:
+        _step(pool, writer, log, i).event.fired = True
+        i += 1
+        time.sleep(0.005)
+    looks = clock.looks
+    writer.close()
+    assert 2 <= looks <= 4
+    assert handled == list(range(i))
+
+
+def test_the_last_steps_reach_the_record_process_within_a_look_and_the_idle_time():
+    pool, log, handled = SlotPool(8), [], []
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.05, look_s=0.3)
+    time.sleep(0.1)  # off the idle thread's schedule
+    start = time.monotonic()
+    _step(pool, writer, log, 0).event.fired = True
+    while not handled and time.monotonic() - start < 5:
+        time.sleep(0.005)
+    took = time.monotonic() - start
+    writer.close()
+    assert handled == [0] and took < 0.3 + 0.05 + 0.2
+
+
+def test_look_period_zero_starts_no_idle_thread_and_stop_still_hands_over():
+    pool, log, handled = SlotPool(8), [], []
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, look_s=0)
+    assert writer._idle is None
+    _step(pool, writer, log, 0).event.fired = True
+    time.sleep(0.2)
+    assert handled == []
+    writer.close()
+    assert handled == [0]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [(None, 1.0), ("", 1.0), (" 0.25 ", 0.25), ("0", 0.0), ("bad", None), ("-1", None), ("nan", None)],
+)
+def test_the_look_period_setting(monkeypatch, text, expected):
+    from tracer.ring import idle_look_s
+
+    if text is None:
+        monkeypatch.delenv("PAGEDTRACE_IDLE_LOOK_S", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDTRACE_IDLE_LOOK_S", text)
+    if expected is None:
+        with pytest.raises(
+            ValueError, match=r"^PAGEDTRACE_IDLE_LOOK_S='.*': expected seconds >= 0 \(0: no idle thread\)$"
+        ):
+            idle_look_s()
+    else:
+        assert idle_look_s() == expected
+
+
+def test_the_tracer_gives_its_inline_writer_the_look_period(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDTRACE_IDLE_LOOK_S", "0")
+    t = _engine(tmp_path, monkeypatch, "inline")
+    assert isinstance(t._thread, InlineWriter) and t._thread._idle is None
+    _steps(t, 2)
+    t._thread.close()
+    t._sink.finish()
+    assert len(Trace.open(tmp_path / "trace").records) == 2
 
 
 def test_a_step_that_finds_the_idle_thread_handing_over_leaves_its_slot_queued():

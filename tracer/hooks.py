@@ -62,6 +62,7 @@ from tracer.ring import (
     WriterThread,
     event_blocking,
     events_on_writer,
+    idle_look_s,
     leave_event,
     record_event,
 )
@@ -148,6 +149,7 @@ class Tracer:
         #: first step is handed over on CUDA; None: the engine's thread records each step's event
         self._event_stream: tuple[Any, int] | None = None
         self._events_on_writer = events_on_writer()
+        self._look_s = idle_look_s()  # the inline writer's idle thread (``PAGEDTRACE_IDLE_LOOK_S``)
         self._ring_slots = ring_slots
         self._throttle = throttle
         self._thread: WriterThread | InlineWriter | None = None
@@ -226,7 +228,12 @@ class Tracer:
         if self._sink.inline:
             busy = lambda: self._in_capture > 0 or capturing()  # noqa: E731 - the idle thread's question
             return InlineWriter(
-                *args, throttle=self._throttle, end=self._sink.send_records, busy=busy, flush=self._sink.flush_records
+                *args,
+                throttle=self._throttle,
+                end=self._sink.send_records,
+                busy=busy,
+                flush=self._sink.flush_records,
+                look_s=self._look_s,
             )
         return WriterThread(*args, throttle=self._throttle, end=self._sink.send_records, blocking=self._blocking_events)
 

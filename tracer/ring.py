@@ -17,6 +17,7 @@ the same code runs without pinning or events: copies are plain copies.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,12 +31,14 @@ from tracer.options import env_choice
 __all__ = [
     "ENV_EVENT_ON",
     "ENV_EVENT_WAIT",
+    "ENV_IDLE_LOOK",
     "InlineWriter",
     "Slot",
     "SlotPool",
     "WriterThread",
     "event_blocking",
     "events_on_writer",
+    "idle_look_s",
     "leave_event",
     "record_event",
 ]
@@ -304,6 +307,29 @@ class _HandOver:
 
 #: ``InlineWriter``: after this many seconds without a step, its idle thread hands over what is queued.
 IDLE_S = 0.1
+#: ``InlineWriter``: seconds between the idle thread's looks (``PAGEDTRACE_IDLE_LOOK_S``; 0: no idle
+#: thread). Each look takes the GIL, and while steps run the engine's thread holds it: a look made
+#: it wait for the GIL once or twice, and each wait put it to sleep (on the H200 ~50 blocks a 2 s
+#: PIECEWISE pass at 10 looks a second, 4-5 untraced). So it looks once a second: the last steps
+#: before the engine goes idle reach the record process within ``LOOK_S + IDLE_S``.
+LOOK_S = 1.0
+ENV_IDLE_LOOK = "PAGEDTRACE_IDLE_LOOK_S"
+
+
+def idle_look_s() -> float:
+    """``PAGEDTRACE_IDLE_LOOK_S`` (unset or empty: :data:`LOOK_S`); a one-line ``ValueError`` if not seconds >= 0."""
+    text = (os.environ.get(ENV_IDLE_LOOK) or "").strip()
+    if not text:
+        return LOOK_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{ENV_IDLE_LOOK}={text!r}: expected seconds >= 0 (0: no idle thread)")
+    return value
+
+
 #: ``InlineWriter``: steps queued before the engine's thread hands them over, together, in one
 #: message to the record process. Each hand-over costs the thread a fixed part (the message's
 #: encoding, its write, the child's wake-up) besides each step's own.
@@ -330,8 +356,9 @@ class InlineWriter(_HandOver):
     hand over every queued slot and wait for the events. A slot's records therefore reach the
     record process up to ``every`` steps late.
     So that the last steps before the engine goes idle are not held until the next request, an
-    idle thread wakes every ``idle_s`` seconds (10 times a second by default, not once a step)
-    and, once no step has come for ``idle_s``, hands over what is queued. It keeps off the device
+    idle thread looks every ``look_s`` seconds (:data:`LOOK_S`, once a second: each look takes
+    the GIL from the engine's thread) and, once no step has come for ``idle_s``, hands over what
+    is queued; ``look_s=0``: no idle thread (``stop`` and later steps hand over). It keeps off the device
     while ``busy()`` says so (the runner captures CUDA graphs). One lock keeps the two from
     handing over at once; a step that finds it taken leaves its slot queued. Same interface as
     :class:`WriterThread`; ``throttle`` (tests) sleeps on the thread that hands over.
@@ -346,6 +373,7 @@ class InlineWriter(_HandOver):
         throttle: float = 0.0,
         end: Callable[[], None] | None = None,
         idle_s: float = IDLE_S,
+        look_s: float = LOOK_S,
         busy: Callable[[], bool] = lambda: False,
         flush: Callable[[], None] | None = None,
         every: int = HAND_OVER_EVERY,
@@ -357,10 +385,11 @@ class InlineWriter(_HandOver):
         self._lock = threading.Lock()  # held while slots are handed over
         self._last = time.monotonic()  # the last step's submit
         self._idle_s = idle_s
+        self._look_s = look_s
         self._busy = busy
         self._closed = threading.Event()
         self._idle: threading.Thread | None = None
-        if idle_s > 0:
+        if idle_s > 0 and look_s > 0:
             self._idle = threading.Thread(target=self._hand_over_when_idle, name="pagedtrace-idle", daemon=True)
             self._idle.start()
 
@@ -415,7 +444,7 @@ class InlineWriter(_HandOver):
 
     def _hand_over_when_idle(self) -> None:
         held = False  # ``end`` may hold messages back since the last idle hand-over
-        while not self._closed.wait(self._idle_s):
+        while not self._closed.wait(self._look_s):
             if time.monotonic() - self._last < self._idle_s:
                 held = True  # steps ran: something may be held
                 continue
