@@ -100,6 +100,10 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
         for impl, layer in zip(impls, layers, strict=True):
             for _ in range(args.ops):  # the launches around one layer's attention
                 torch.add(a, b, out=c)
+            if args.python_us:  # Python between the launches, the GIL held throughout
+                until = time.perf_counter() + args.python_us * 1e-6
+                while time.perf_counter() < until:
+                    pass
             impl.forward(layer, a, b, c, cache, md, d)  # as vLLM's Attention layer calls it
         return None
 
@@ -250,6 +254,18 @@ def torch_calls_per_step(args: argparse.Namespace, steps: int = 50) -> dict[str,
     return dict(sorted(((n, m) for n, m in medians.items() if m), key=lambda nm: -nm[1]))
 
 
+def _set_writer(kind: str | None) -> None:
+    """``PAGEDTRACE_WRITER`` (and, for ``inline@S``, ``PAGEDTRACE_IDLE_LOOK_S``) for ``kind``; None: unset both."""
+    os.environ.pop("PAGEDTRACE_WRITER", None)
+    os.environ.pop("PAGEDTRACE_IDLE_LOOK_S", None)
+    if kind is None:
+        return
+    writer, _, look = kind.partition("@")
+    os.environ["PAGEDTRACE_WRITER"] = writer
+    if look:
+        os.environ["PAGEDTRACE_IDLE_LOOK_S"] = look
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -260,9 +276,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=360)
     ap.add_argument("--trace-layers", default="first", help="what the tracer records (--layers of pagedtrace run)")
     ap.add_argument(
+        "--python-us",
+        type=float,
+        default=0.0,
+        help="µs of pure Python per layer besides the --ops (the GIL held, as in vLLM's own Python between launches)",
+    )
+    ap.add_argument(
         "--writers",
         default="inline,process",
-        help="PAGEDTRACE_WRITER settings to time against untraced (inline, the default; process; thread)",
+        help="PAGEDTRACE_WRITER settings to time against untraced (inline, the default; process; thread); "
+        "inline@S: inline, its idle thread looking every S seconds (PAGEDTRACE_IDLE_LOOK_S)",
     )
     args = ap.parse_args()
     from tracer.format import parse_layers
@@ -275,11 +298,12 @@ def main() -> None:
     for r in range(args.rounds):
         for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # rotated: drift cancels
             if kind != "untraced":
-                os.environ["PAGEDTRACE_WRITER"] = kind
+                _set_writer(kind)
             times[kind].append(_pass(args, kind != "untraced", blocked[kind]))
-            os.environ.pop("PAGEDTRACE_WRITER", None)
+            _set_writer(None)
     print(
-        f"{args.layers} layers, {args.ops} ops per layer, {args.reqs} requests of {args.context} tokens, "
+        f"{args.layers} layers, {args.ops} ops and {args.python_us:g} µs of Python per layer, "
+        f"{args.reqs} requests of {args.context} tokens, "
         f"tracer layers={args.trace_layers!r}, {args.rounds} rounds of {args.steps} steps"
     )
     u = statistics.median(times["untraced"])
@@ -292,9 +316,9 @@ def main() -> None:
             f"{paired * 1e6:+.1f} us), {t / u:.3f}x; engine thread blocked {statistics.median(blocked[w]):.2f}/step"
         )
     for w in writers:
-        os.environ["PAGEDTRACE_WRITER"] = w
+        _set_writer(w)
         cpu = statistics.median(tracer_cpu_per_step(args) for _ in range(3))
-        os.environ.pop("PAGEDTRACE_WRITER", None)
+        _set_writer(None)
         print(
             f"writer {w:8s} tracer CPU on the engine's thread: {cpu * 1e6:.1f} us/step (median of 3 x 1000 steps, "
             "time.thread_time)"

@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from reference_impl.emulation import emulation_of
 from reference_impl.layouts import WRITERS
 from reference_impl.replay import (
     check_write_path,
@@ -208,10 +209,18 @@ class _Fixture:
         self.layout = resolve_layout(self.trace, self.with_tensors) if self.with_tensors else spec.layout
         self.tokens = known_tokens(self.trace.read_json(SESSION))
         self.fa = self.trace.run.flash_attn_version
+        self.emulation = emulation_of(self.trace.run)  # the bar's baseline: how the trace's kernel rounds
 
     def judge(self, record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec) -> Judged:
         result, _ = replay_record(
-            record, tensors, spec, self.layout, kernel="fast", check_legacy=False, flash_attn_version=self.fa
+            record,
+            tensors,
+            spec,
+            self.layout,
+            kernel="fast",
+            check_legacy=False,
+            flash_attn_version=self.fa,
+            emulation=self.emulation,
         )
         write = check_write_path(record, tensors, spec, self.layout)
         meta = check_record(record, spec, self.trace.run, self.tokens)
@@ -224,7 +233,7 @@ class _Fixture:
 
     def reference(self, record: StepRecord, tensors: Mapping[str, torch.Tensor], spec: KVCacheSpec) -> torch.Tensor:
         """The fp64 reference output ``[T, H, D]`` of the record as given."""
-        inputs = step_inputs(record, tensors, spec, self.layout, flash_attn_version=self.fa)
+        inputs = step_inputs(record, tensors, spec, self.layout, flash_attn_version=self.fa, emulation=self.emulation)
         return reference_outputs(inputs, "fast")[0][: inputs.num_tokens]
 
     def targets(self, per_layer: int) -> list[StepRecord]:

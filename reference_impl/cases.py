@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from reference_impl import replay as _replay
+from reference_impl.emulation import emulation_of, interval_midpoints
 from reference_impl.tolerances import TOL_K, compare
 from tracer.format import StepRecord, Trace, TraceError, layer_index
 
@@ -123,11 +124,19 @@ def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) ->
     if layout is None:
         layout = _replay.resolve_layout(trace, [record])
     tensors = trace.tensors(record)
-    inputs = _replay.step_inputs(record, tensors, spec, layout, flash_attn_version=trace.run.flash_attn_version)
+    inputs = _replay.step_inputs(
+        record,
+        tensors,
+        spec,
+        layout,
+        flash_attn_version=trace.run.flash_attn_version,
+        emulation=emulation_of(trace.run),
+    )
     reference, baseline = _replay.reference_outputs(inputs)
     num = inputs.num_tokens
     expected = tensors["output"]
-    verdict = compare(expected[:num], reference[:num], baseline[:num], k=TOL_K, dtype=inputs.out_dtype)
+    judged, base = (interval_midpoints(x[:num], inputs.emulation) for x in (expected, baseline))  # as replay reads them
+    verdict = compare(judged, reference[:num], base, k=TOL_K, dtype=inputs.out_dtype)
     return KernelCase(
         id=case_id(trace, record),
         trace=str(trace.path),

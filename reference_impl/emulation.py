@@ -28,12 +28,27 @@ the same rounding differs element by element; ``reference_impl.tolerances.TOL_K`
 The emulation is its own form (a per-sequence gather, chunked over queries): the bar does
 not depend on which reference form produced the fp64 answer.
 
+vLLM's CPU backend rounds differently, and :func:`emulation_of` picks the model of the kernel
+a trace ran from its manifest (``RunInfo.extra["cpu_attention"]``, ``tracer.manifest``). Its
+``vec`` / ``vec16`` kernels (``csrc/cpu/cpu_attn_vec.hpp``) keep Q x scale, the logits, P and
+the partial outputs in fp32 (``q_buffer_t`` ... ``prob_buffer_t = float``), with ``tanhf``
+for a soft-cap: P is not rounded before P·V, and the one rounding is the output's. That
+conversion depends on the build vLLM loaded: with AVX512-BF16 it rounds to nearest even;
+vLLM's ``_C_AVX2`` and ``_C_AVX512`` builds drop the fp32 value's low 16 bits, rounding toward
+zero (``csrc/cpu/cpu_types_x86.hpp``). On an AVX2 host 99.9 % of a real trace's outputs equal
+the fp64 answer truncated to bf16: a truncating kernel's mean error is twice a rounding one's,
+which the FlashAttention baseline would call a systematic shift. :data:`CPU_VEC_NEAREST` and
+:data:`CPU_VEC_TOWARD_ZERO` are those kernels; the AMX kernel (bf16 tiles: P rounded, output
+to nearest) and every other backend keep :data:`FLASH`.
+
 Imports torch only.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,12 +56,18 @@ from reference_impl.common import FP8_STORAGE, cdiv, check_args
 from reference_impl.gathered import visibility
 
 __all__ = [
+    "CPU_VEC_NEAREST",
+    "CPU_VEC_TOWARD_ZERO",
     "EMULATION_DESCRIPTION",
     "EMULATION_NAME",
+    "FLASH",
     "FP8_MAX_OFFSET",
     "FP8_QUERY_DTYPES",
+    "Emulation",
     "dequantize_query",
     "emulate_flash_attention",
+    "emulation_of",
+    "interval_midpoints",
     "quantize_query",
 ]
 
@@ -60,6 +81,86 @@ EMULATION_DESCRIPTION = (
     "P rounded to the P.V operand dtype (e4m3 x 2^8 for fp8) with the row sum in fp32, "
     "P.V accumulated in fp32, output rounded to the activation dtype"
 )
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How the kernel a trace ran rounds: the low-precision baseline of its bar.
+
+    ``fp32_probabilities``: P·V takes P (and a soft-cap its tanh, an fp8 cache its scaled
+    values) in fp32, unrounded; False: as FlashAttention, P rounded to the P·V operand dtype.
+    ``output_rounding``: how the fp32 output becomes bf16, ``nearest`` (even) or
+    ``toward_zero`` (the low 16 bits dropped). Other output dtypes round to nearest.
+    """
+
+    name: str  #: as ``replay.json``'s ``tolerance.emulation`` records it
+    description: str  #: what it rounds, in one line
+    fp32_probabilities: bool = False
+    output_rounding: str = "nearest"
+
+    def __post_init__(self) -> None:
+        if self.output_rounding not in ("nearest", "toward_zero"):
+            raise ValueError(f"output_rounding {self.output_rounding!r}: expected 'nearest' or 'toward_zero'")
+
+
+#: FlashAttention 2/3 (and the kernels that round as it does): the module docstring.
+FLASH = Emulation(EMULATION_NAME, EMULATION_DESCRIPTION)
+
+_CPU_VEC = (
+    "vLLM's CPU vec/vec16 kernel: Q x scale, S = QK^T, soft-cap (tanhf), mask, softmax, P and P.V in fp32, "
+    "the output rounded to the activation dtype"
+)
+#: vLLM's CPU ``vec`` / ``vec16`` kernel of the ``_C`` build (AVX512-BF16: round to nearest even).
+CPU_VEC_NEAREST = Emulation("cpu-vec-rounding", _CPU_VEC + " (to nearest even)", fp32_probabilities=True)
+#: The same kernel of the ``_C_AVX2`` / ``_C_AVX512`` builds: bf16 by dropping the fp32 value's low bits.
+CPU_VEC_TOWARD_ZERO = Emulation(
+    "cpu-vec-truncating",
+    _CPU_VEC + " (bf16 by truncation, toward zero: vLLM's builds without AVX512-BF16)",
+    fp32_probabilities=True,
+    output_rounding="toward_zero",
+)
+
+
+def emulation_of(run: Any) -> Emulation:
+    """The baseline for a trace's kernel, from its ``RunInfo`` (None: :data:`FLASH`).
+
+    vLLM's CPU backend with the ``vec`` / ``vec16`` kernel and a known bf16 conversion
+    (``extra["cpu_attention"]``, recorded since pagedtrace 0.3's format 4) gets the CPU model;
+    everything else, and traces that do not say, FlashAttention's.
+    """
+    extra = getattr(run, "extra", None) or {}
+    info = extra.get("cpu_attention") if isinstance(extra, dict) else None
+    if not isinstance(info, dict) or info.get("isa") not in ("vec", "vec16"):
+        return FLASH
+    return {"nearest": CPU_VEC_NEAREST, "toward_zero": CPU_VEC_TOWARD_ZERO}.get(str(info.get("bf16_conversion")), FLASH)
+
+
+def interval_midpoints(x: torch.Tensor, emulation: Emulation) -> torch.Tensor:
+    """``x`` as the verdict reads it: a truncating kernel's bf16 values at the middle of their intervals.
+
+    A value rounded toward zero stands for every real in ``[x, x + ulp)`` away from zero, so
+    its error against the exact answer is biased: half an ulp on average, twice a rounding
+    kernel's. Read at the interval's middle (``x + sign(x) * ulp(x) / 2``, exact in fp32) it is
+    an unbiased estimate again, whose error is a rounding kernel's. The mean bar then sees a
+    scale 2 % off on soft-capped logits (outputs move by about an ulp, the way the truncation
+    goes half the time and hides it). Zeros and non-finite values stay. Other emulations and
+    dtypes: ``x`` unchanged.
+    """
+    if emulation.output_rounding != "toward_zero" or x.dtype != torch.bfloat16:
+        return x
+    wide = x.to(torch.float32)
+    mantissa, exponent = torch.frexp(wide)  # |mantissa| in [0.5, 1): ulp = 2^(exponent - 8) for bf16
+    del mantissa
+    half_ulp = torch.ldexp(torch.ones_like(wide), (exponent - 9).to(torch.int32))
+    mid = wide + torch.sign(wide) * half_ulp
+    return torch.where(torch.isfinite(wide) & (wide != 0), mid, wide)
+
+
+def _truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounding toward zero: the low 16 bits of each value dropped (exact, then)."""
+    bits = x.to(torch.float32).contiguous().view(torch.int32) & -65536
+    return bits.view(torch.float32).to(torch.bfloat16)
+
 
 #: FA3's fp8 softmax subtracts 8 from the log2 max: P lies in [0, 2^8] before it is rounded to e4m3.
 FP8_MAX_OFFSET = 8
@@ -121,8 +222,9 @@ def emulate_flash_attention(
     v_scale: float = 1.0,
     q_scale: float = 1.0,
     out_dtype: torch.dtype = torch.bfloat16,
+    emulation: Emulation = FLASH,
 ) -> torch.Tensor:
-    """Attention rounded as FlashAttention rounds it (see the module docstring).
+    """Attention rounded as FlashAttention rounds it (see the module docstring), or as ``emulation`` says.
 
     Args:
         query: ``[T, H, D]``: the activation dtype, or ``float8_e4m3fn`` (FA3's fp8 path;
@@ -134,6 +236,8 @@ def emulate_flash_attention(
         block_table, seq_lens, query_start_loc, scale, causal, window, softcap,
         alibi_slopes, sinks: as :func:`reference_impl.kernel.paged_attention_loop`.
         out_dtype: the activation dtype the output is rounded to.
+        emulation: the kernel's rounding (:data:`FLASH`; :data:`CPU_VEC_NEAREST` and
+            :data:`CPU_VEC_TOWARD_ZERO` keep P in fp32 and round only the output).
 
     Returns:
         ``[T, H, D]`` in ``out_dtype``; rows of sequences without queries are 0.
@@ -166,6 +270,8 @@ def emulate_flash_attention(
         k, v = _read(key_cache, blocks, seq_len), _read(value_cache, blocks, seq_len)  # [n, h, d]
         if fp8_query:
             k, v = k.to(torch.float32), v.to(torch.float32)  # raw e4m3 values; descales come later
+        elif fp8_cache and emulation.fp32_probabilities:  # the CPU kernel folds the scales into fp32
+            k, v = k.to(torch.float32) * k_scale, v.to(torch.float32) * v_scale
         elif fp8_cache:
             k = _round_to(k.to(torch.float32) * k_scale, element)
             v = _round_to(v.to(torch.float32) * v_scale, element)
@@ -180,7 +286,7 @@ def emulate_flash_attention(
             s = torch.einsum("thgd,nhd->hgtn", q, k)  # fp32 sums, [h, g, t, n]
             if softcap > 0:
                 t = torch.tanh(s * (score_scale / softcap))
-                s = softcap * _round_to(t, _TANH_DTYPE)
+                s = softcap * (t if emulation.fp32_probabilities else _round_to(t, _TANH_DTYPE))
             else:
                 s = s * score_scale
             if alibi_slopes is not None:
@@ -196,10 +302,15 @@ def emulate_flash_attention(
             row_sum = p.sum(dim=-1)
             if sinks is not None:
                 row_sum = row_sum + torch.exp(sinks.to(torch.float32).view(num_kv_heads, group, 1) - m) * p_offset
-            p_op = p.to(torch.float8_e4m3fn).to(torch.float32) if fp8_query else _round_to(p, element)
+            if fp8_query:
+                p_op = p.to(torch.float8_e4m3fn).to(torch.float32)
+            else:
+                p_op = p if emulation.fp32_probabilities else _round_to(p, element)
             acc = torch.einsum("hgtn,nhd->hgtd", p_op, v)
             o = torch.where(row_sum[..., None] > 0, acc / row_sum.clamp_min(1e-38)[..., None], 0.0)
             if fp8_query:
                 o = o * v_scale
             out[q_start + t0 : q_start + t1] = o.permute(2, 0, 1, 3).reshape(t1 - t0, num_heads, head_size)
+    if emulation.output_rounding == "toward_zero" and out_dtype == torch.bfloat16:
+        return _truncate_to_bf16(out)
     return out.to(out_dtype)

@@ -28,7 +28,14 @@ from reference_impl import compiled as _compiled
 from reference_impl import fast as _fast
 from reference_impl import kernel as _kernel
 from reference_impl.common import FP8_STORAGE
-from reference_impl.emulation import FP8_QUERY_DTYPES, dequantize_query, emulate_flash_attention, quantize_query
+from reference_impl.emulation import (
+    FLASH,
+    FP8_QUERY_DTYPES,
+    Emulation,
+    dequantize_query,
+    emulate_flash_attention,
+    quantize_query,
+)
 from reference_impl.options import KernelOptions
 from reference_impl.resolve import read_cache
 from reference_impl.tolerances import REFERENCE_DTYPE
@@ -122,6 +129,8 @@ class StepInputs:
     #: Format 4 (``query_rows``): the step's kept rows, each a one-token request of its own
     #: (``tracer.format.rows.row_view``); None: every row, batched as the step was.
     kept: RowView | None = None
+    #: How the kernel that ran rounds (the baseline of the bar): the trace's, ``emulation_of(run)``.
+    emulation: Emulation = FLASH
 
     @property
     def args(self) -> tuple[torch.Tensor, ...]:
@@ -136,6 +145,7 @@ def step_inputs(
     layout: str,
     *,
     flash_attn_version: int | None = None,
+    emulation: Emulation = FLASH,
 ) -> StepInputs:
     """Read one (step, layer)'s captured tensors into kernel inputs.
 
@@ -144,7 +154,8 @@ def step_inputs(
     but the tracer did not capture become one zero block (so a kernel fails loudly
     instead of indexing out of range) and are listed in ``missing``. With an fp8 cache
     the query is what FA3's fp8 path got (see the module docstring; ``flash_attn_version``
-    is the trace's ``RunInfo.flash_attn_version``).
+    is the trace's ``RunInfo.flash_attn_version``). ``emulation``: how the trace's kernel
+    rounds (``reference_impl.emulation.emulation_of(trace.run)``), for the bar's baseline.
 
     Raises:
         TraceError: ``query``, ``output``, ``kv_blocks`` or ``kv_block_ids`` was not captured,
@@ -196,6 +207,7 @@ def step_inputs(
         q_scale=q_scale,
         out_dtype=activation_dtype(output),
         kept=kept,
+        emulation=emulation,
     )
 
 
@@ -231,8 +243,9 @@ def reference_outputs(inputs: StepInputs, kernel: str = "fast") -> tuple[torch.T
     """The reference output (``REFERENCE_DTYPE``) and its low-precision baseline, ``[T, H, D]`` each.
 
     The baseline is :func:`reference_impl.emulation.emulate_flash_attention` (FlashAttention's
-    rounding, in ``inputs.out_dtype``); it never depends on ``kernel``, the reference form
-    that gives the fp64 answer. The bar is :func:`reference_impl.tolerances.compare`'s.
+    rounding, or the CPU kernel's: ``inputs.emulation``, in ``inputs.out_dtype``); it never
+    depends on ``kernel``, the reference form that gives the fp64 answer. The bar is
+    :func:`reference_impl.tolerances.compare`'s.
     """
     block_size = inputs.key_cache.shape[1]
     expected = run_kernel(kernel, *inputs.args, block_size=block_size, compute_dtype=REFERENCE_DTYPE, **inputs.kwargs)
@@ -240,12 +253,13 @@ def reference_outputs(inputs: StepInputs, kernel: str = "fast") -> tuple[torch.T
 
 
 def emulated_output(inputs: StepInputs) -> torch.Tensor:
-    """``[T, H, D]``: the step rounded as FlashAttention rounds it, in ``inputs.out_dtype``."""
+    """``[T, H, D]``: the step rounded as its kernel rounds it (``inputs.emulation``), in ``inputs.out_dtype``."""
     query = inputs.fp8_query if inputs.fp8_query is not None else inputs.query
     return emulate_flash_attention(
         query,
         *inputs.args[1:],
         q_scale=inputs.q_scale,
         out_dtype=inputs.out_dtype,
+        emulation=inputs.emulation,
         **inputs.kwargs,
     )

@@ -37,9 +37,10 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from reference_impl.checks import check_legacy_path, check_write_path
+from reference_impl.emulation import FLASH, Emulation, emulation_of, interval_midpoints
 from reference_impl.inputs import KERNELS, StepInputs, compact_block_table, reference_outputs, step_inputs
 from reference_impl.resolve import kv_spec, read_cache, resolve_layout
-from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, bar_note, compare
+from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, bar_note, compare, tolerance_for
 from tracer.format import (
     REPLAY,
     HeadResult,
@@ -96,6 +97,7 @@ def replay_record(
     kernel: str = "fast",
     check_legacy: bool = True,
     flash_attn_version: int | None = None,
+    emulation: Emulation = FLASH,
 ) -> tuple[StepResult, LegacyCheck | None]:
     """Rerun one (step, layer)'s attention and judge vLLM's ``output``.
 
@@ -109,16 +111,19 @@ def replay_record(
         check_legacy: also run the legacy-layout round trip.
         flash_attn_version: the trace's ``RunInfo.flash_attn_version`` (3: a bf16 query of
             an fp8 step is quantised as vLLM does for FA3, see :mod:`reference_impl.inputs`).
+        emulation: how the trace's kernel rounds (``emulation_of(trace.run)``): the bar's baseline.
 
     Returns:
         The step's result and, with ``check_legacy``, the legacy check (None when the
         head size is not a multiple of ``x``).
     """
-    inputs = step_inputs(record, tensors, spec, layout, flash_attn_version=flash_attn_version)
+    inputs = step_inputs(record, tensors, spec, layout, flash_attn_version=flash_attn_version, emulation=emulation)
     output, num = tensors["output"], inputs.num_tokens
     expected, baseline = reference_outputs(inputs, kernel)
     # The bar is per head and never depends on `kernel` (reference_impl.tolerances).
-    verdict = compare(output[:num], expected[:num], baseline[:num], k=TOL_K, dtype=inputs.out_dtype)
+    # A truncating kernel's values are read at the middle of the interval each stands for (unbiased).
+    judged, base = (interval_midpoints(x[:num], inputs.emulation) for x in (output, baseline))
+    verdict = compare(judged, expected[:num], base, k=TOL_K, dtype=inputs.out_dtype)
     # Per-head scale for the relative error: the largest |reference| value of that head.
     ref_scale = expected[:num].abs().amax(dim=(0, 2)) if num else torch.zeros(inputs.query.shape[1])
     heads = tuple(
@@ -238,6 +243,7 @@ def replay_trace(
         raise ValueError(f"unknown kernel {kernel!r}; use one of {sorted(KERNELS)}")
     started = time.perf_counter()
     spec = kv_spec(trace)
+    emulation = emulation_of(trace.run)  # the bar's baseline rounds as the trace's kernel did
     layers = None if layers is None else tuple(layers)
     selected = select_records(trace, steps=steps, layers=layers)
     if not selected:
@@ -259,7 +265,7 @@ def replay_trace(
             kernel=kernel,
             layout=spec.layout,
             recorded_layout=spec.layout,
-            tolerance=TOLERANCE,
+            tolerance=tolerance_for(emulation),
             steps=(),
             write_path=(),
             legacy=(),
@@ -291,6 +297,7 @@ def replay_trace(
             kernel=kernel,
             check_legacy=check_legacy,
             flash_attn_version=trace.run.flash_attn_version,
+            emulation=emulation,
         )
         results.append(result)
         if legacy is not None:
@@ -306,7 +313,7 @@ def replay_trace(
         layout=read_layout,
         recorded_layout=spec.layout,
         steps=tuple(results),
-        tolerance=TOLERANCE,
+        tolerance=tolerance_for(emulation),
         write_path=tuple(writes),
         legacy=tuple(legacies),
         metadata=metadata,

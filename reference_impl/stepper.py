@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from reference_impl import kernel as _kernel
+from reference_impl.emulation import emulation_of
 from reference_impl.inputs import reference_outputs, step_inputs
 from reference_impl.resolve import kv_spec, resolve_layout
 from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, tolerance
@@ -115,7 +116,7 @@ def walk_query(
     record = _record(trace, step, layer)
     spec = kv_spec(trace)
     tensors = trace.tensors(record)
-    inputs = step_inputs(record, tensors, spec, resolve_layout(trace, [record]))
+    inputs = step_inputs(record, tensors, spec, resolve_layout(trace, [record]), emulation=emulation_of(trace.run))
     b = find_request(record, request)
     q0, q1 = int(record.query_start_loc[b]), int(record.query_start_loc[b + 1])
     q_len, seq_len = q1 - q0, int(record.seq_lens[b])

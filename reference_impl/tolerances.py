@@ -52,11 +52,12 @@ Imports torch and ``tracer.format`` (the bottom layer) only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from reference_impl.emulation import EMULATION_DESCRIPTION, EMULATION_NAME
+from reference_impl.emulation import EMULATION_DESCRIPTION, EMULATION_NAME, Emulation
 from tracer.format import Tolerance
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "compare",
     "head_bars",
     "tolerance",
+    "tolerance_for",
 ]
 
 #: Multiple of the emulation's error a kernel may have (see the module docstring).
@@ -110,6 +112,13 @@ TOLERANCE = Tolerance(
     emulation_description=EMULATION_DESCRIPTION,
     floor=FLOOR_RULE,
 )
+
+
+def tolerance_for(emulation: Emulation) -> Tolerance:
+    """:data:`TOLERANCE` with ``emulation`` as its baseline (``replay.json`` says which kernel's rounding)."""
+    if emulation.name == TOLERANCE.emulation:
+        return TOLERANCE
+    return dataclasses.replace(TOLERANCE, emulation=emulation.name, emulation_description=emulation.description)
 
 
 def _eps(dtype: torch.dtype) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from reference_impl.emulation import emulation_of
 from reference_impl.inputs import StepInputs, reference_outputs, step_inputs
 from reference_impl.resolve import kv_spec, resolve_layout
 from reference_impl.tolerances import head_bars
@@ -44,7 +45,7 @@ class _Outputs:
         if key not in self.cache:
             record = self.by_key[key]
             tensors = self.trace.tensors(record)
-            inputs = step_inputs(record, tensors, self.spec, self.layout)
+            inputs = step_inputs(record, tensors, self.spec, self.layout, emulation=emulation_of(self.trace.run))
             expected, baseline = reference_outputs(inputs)
             self.cache[key] = (record, inputs, tensors["output"].double(), expected, baseline)
         return self.cache[key]

@@ -24,7 +24,9 @@ ATTRIBUTE_READS = {"__get__", "numel", "dim", "is_contiguous", "data_ptr", "stri
 def test_a_metadata_step_makes_two_tensor_operations_on_the_engines_thread():
     hot_path = _hot_path()
     for layers in ("first", "all"):
-        args = argparse.Namespace(layers=28, ops=1, reqs=32, context=360, trace_layers=parse_layers(layers))
+        args = argparse.Namespace(
+            layers=28, ops=1, python_us=0.0, reqs=32, context=360, trace_layers=parse_layers(layers)
+        )
         calls = hot_path.torch_calls_per_step(args, steps=30)
         dispatched = {name: n for name, n in calls.items() if name not in ATTRIBUTE_READS}
         # one cat and one copy: no slicing, and the flat views of the block table and of

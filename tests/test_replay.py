@@ -107,6 +107,20 @@ def test_cpu_layout_is_the_packing_this_host_uses(trace, report):
     assert report.layout == expected
 
 
+def test_the_manifest_says_how_this_hosts_cpu_kernel_rounds_and_replay_holds_it_to_that(trace, report):
+    # vLLM loads _C (AVX512-BF16: round to nearest) or _C_AVX512 / _C_AVX2 (truncation) by the CPU
+    info = trace.run.extra["cpu_attention"]
+    avx512 = torch.cpu._is_avx512_supported()
+    bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
+    assert info["bf16_conversion"] == ("nearest" if bf16 else "toward_zero")
+    assert info["extension"] == ("vllm._C" if bf16 else "vllm._C_AVX512" if avx512 else "vllm._C_AVX2")
+    assert info["isa"] == ("amx" if report.layout == LAYOUT_CPU_AMX else "vec")  # block size 32, head size 64
+    if info["isa"] == "vec":
+        assert report.tolerance.emulation == ("cpu-vec-rounding" if bf16 else "cpu-vec-truncating")
+    else:
+        assert report.tolerance.emulation == "flash-attention-rounding"
+
+
 NEEDS_CXX = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler for the compiled kernel"
 )

@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from reference_impl import tolerances as TOL
-from reference_impl.emulation import emulate_flash_attention, quantize_query
+from reference_impl.emulation import (
+    CPU_VEC_NEAREST,
+    CPU_VEC_TOWARD_ZERO,
+    FLASH,
+    emulate_flash_attention,
+    emulation_of,
+    interval_midpoints,
+    quantize_query,
+)
 from reference_impl.kernel import paged_attention_loop
 from reference_impl.layouts import kv_to_flash
 from reference_impl.replay import replay_record, replay_trace
@@ -78,11 +86,14 @@ def _caches(shape: Shape, seed: int = 0):
     return query, key, value, tables, slots, new_k, new_v
 
 
-def write_trace(path, shape: Shape, *, engine=None, record_overrides=None, capture_bf16_query=False) -> None:
+def write_trace(
+    path, shape: Shape, *, engine=None, record_overrides=None, capture_bf16_query=False, cpu_attention=None
+) -> None:
     """A one-step trace of ``shape``; vLLM's ``output`` is ``engine(**args)`` (default: the emulation).
 
     With ``fp8`` the query is captured quantised (what reaches FA3), or as bf16 with
-    ``capture_bf16_query``.
+    ``capture_bf16_query``. ``cpu_attention``: the manifest's ``extra["cpu_attention"]`` (the
+    CPU kernel and its bf16 conversion, ``tracer.manifest``).
     """
     query, key, value, tables, slots, new_k, new_v = _caches(shape)
     captured = query
@@ -122,7 +133,8 @@ def write_trace(path, shape: Shape, *, engine=None, record_overrides=None, captu
     fields.update(record_overrides or {})
     ids = sorted({b for r in tables for b in r})
     with TraceWriter(path) as w:
-        w.write_manifest(run_info("flash", kv_cache=spec, torch_version=torch.__version__))
+        extra = {"cpu_attention": cpu_attention} if cpu_attention else {}
+        w.write_manifest(run_info("flash", kv_cache=spec, torch_version=torch.__version__, extra=extra))
         w.append(
             StepRecord(**fields),
             {
@@ -203,6 +215,70 @@ def test_gemma2_like_bugs_fail(tmp_path, bug):
     assert not step.ok and step.bad_heads, step
     # Outputs move by about one bf16 ulp: the max error may stay under the bar, the mean does not.
     assert step.max_abs > step.tol or "systematic shift" in step.note
+
+
+LLAMA = Shape(softcap=0.0, window=(-1, -1), head_size=128, qk_std=1.0, v_std=1.0)
+
+
+def _cpu_vec(emulation, scale=1.0):
+    """vLLM's CPU vec kernel as its emulation computes it, optionally with a wrong softmax scale."""
+
+    def engine(**args):
+        args["scale"] *= scale
+        return emulate_flash_attention(**args, emulation=emulation)
+
+    return engine
+
+
+@pytest.mark.parametrize("emulation", [CPU_VEC_TOWARD_ZERO, CPU_VEC_NEAREST], ids=lambda e: e.output_rounding)
+@pytest.mark.parametrize("shape", [GEMMA, LLAMA], ids=["gemma-like", "llama-like"])
+def test_cpu_vec_kernel_is_judged_by_its_own_rounding_and_a_2_percent_scale_fails(tmp_path, shape, emulation):
+    info = {"isa": "vec", "bf16_conversion": emulation.output_rounding, "extension": None}
+    write_trace(tmp_path / "ok", shape, engine=_cpu_vec(emulation), cpu_attention=info)
+    report = _replay(tmp_path / "ok")
+    assert report.ok, report.steps[0]
+    assert report.tolerance.emulation == emulation.name  # replay.json says which kernel's rounding set the bar
+    write_trace(tmp_path / "bad", shape, engine=_cpu_vec(emulation, scale=1.02), cpu_attention=info)
+    assert not _replay(tmp_path / "bad").steps[0].ok
+
+
+def test_a_truncating_cpu_kernel_judged_as_flash_attention_fails_so_the_manifest_says_how_it_rounds(tmp_path):
+    # What an AVX2 host's trace got before its manifest said so: a correct step called a systematic shift.
+    write_trace(tmp_path / "t", GEMMA, engine=_cpu_vec(CPU_VEC_TOWARD_ZERO))
+    step = _replay(tmp_path / "t").steps[0]
+    assert not step.ok and "systematic shift" in step.note
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, FLASH),
+        ({"cpu_attention": {"isa": "vec", "bf16_conversion": "toward_zero"}}, CPU_VEC_TOWARD_ZERO),
+        ({"cpu_attention": {"isa": "vec16", "bf16_conversion": "nearest"}}, CPU_VEC_NEAREST),
+        ({"cpu_attention": {"isa": "amx", "bf16_conversion": "nearest"}}, FLASH),  # bf16 tiles: P rounded
+        ({"cpu_attention": {"isa": "vec", "bf16_conversion": "unknown"}}, FLASH),
+        ({"cpu_attention": "garbage"}, FLASH),
+    ],
+)
+def test_emulation_of_a_trace(extra, expected):
+    assert emulation_of(run_info("cpu", extra=extra)) == expected
+    assert emulation_of(None) == FLASH
+
+
+def test_truncated_values_are_read_at_the_middle_of_their_interval():
+    x = torch.randn(50000, generator=torch.Generator().manual_seed(0)) * 7
+    truncated = emulate_flash_attention.__globals__["_truncate_to_bf16"](x)
+    wide = truncated.float()
+    away = (wide.abs().view(torch.int32) + 65536).view(torch.float32)  # the next bf16 away from zero
+    assert bool(((wide.abs() <= x.abs()) & (x.abs() < away)).all())  # toward zero, within an ulp
+    mid = interval_midpoints(truncated, CPU_VEC_TOWARD_ZERO)
+    assert torch.equal(mid.abs() * 2, wide.abs() + away)  # exactly the middle, in fp32
+    rounded = float((x.bfloat16().float() - x).abs().mean())
+    assert float((wide - x).abs().mean()) > 1.8 * rounded  # truncation: twice the error ...
+    assert float((mid - x).abs().mean()) < 1.05 * rounded  # ... read at the middle: a rounding kernel's
+    zero = torch.zeros(3, dtype=torch.bfloat16)
+    assert torch.equal(interval_midpoints(zero, CPU_VEC_TOWARD_ZERO), zero.float())
+    assert interval_midpoints(truncated, CPU_VEC_NEAREST) is truncated
 
 
 TINY = Shape(softcap=0.0, window=(-1, -1), head_size=64, qk_std=1.0, k_std=1e-6, v_std=1e-6)

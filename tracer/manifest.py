@@ -145,8 +145,43 @@ def build_run_info(
         options=options.to_json(),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         sources=sources,
-        extra={"pid": os.getpid(), "model_attention": _model_attention(cfg)},
+        extra={"pid": os.getpid(), "model_attention": _model_attention(cfg), **_cpu_attention(impl)},
     )
+
+
+def _cpu_attention(impl: Any) -> dict[str, Any]:
+    """``{"cpu_attention": ...}`` for vLLM's CPU backend: which kernel ran and how it rounds to bf16.
+
+    The CPU kernel is chosen by ``impl.isa`` (``cpu_attn._get_attn_isa``: ``amx``, ``vec``,
+    ``vec16``, ``neon``, ...), and its fp32 -> bf16 conversions by the build of vLLM's
+    extension that ``CpuPlatform.import_kernels`` loads on this CPU: ``vllm._C`` (AVX-512 with
+    AVX512-BF16) converts with ``vcvtneps2bf16``, round to nearest even; ``vllm._C_AVX512``
+    (AVX-512 without BF16) and ``vllm._C_AVX2`` drop the low 16 bits of the fp32 value, round
+    toward zero (``csrc/cpu/cpu_types_x86.hpp``). The verdict's baseline rounds as the kernel
+    did (``reference_impl.emulation.emulation_of``). Other architectures: ``unknown``.
+    Empty for other backends.
+    """
+    if type(impl).__name__ != "CPUAttentionBackendImpl":
+        return {}
+    import platform
+
+    import torch
+
+    conversion, extension = "unknown", None
+    if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
+        if torch.cpu._is_avx512_supported():
+            bf16 = torch.cpu._is_avx512_bf16_supported()
+            conversion, extension = ("nearest", "vllm._C") if bf16 else ("toward_zero", "vllm._C_AVX512")
+        else:
+            conversion, extension = "toward_zero", "vllm._C_AVX2"
+    isa = getattr(impl, "isa", None)
+    return {
+        "cpu_attention": {
+            "isa": None if isa is None else str(isa),
+            "bf16_conversion": conversion,
+            "extension": extension,
+        }
+    }
 
 
 def _model_attention(cfg: Any) -> dict[str, Any]:
