@@ -16,7 +16,13 @@ microseconds per step the tracer adds to a thread that is busy with Python, so t
 to the hot path can be measured before it goes to the H200 (``scripts/h200_overhead_probe.py``
 measures the real engine).
 
-    python benchmarks/hot_path.py [--steps 300] [--rounds 7] [--layers 28] [--ops 24]
+    python benchmarks/hot_path.py [--steps 300] [--rounds 7] [--layers 28] [--ops 24] [--python-us 0]
+        [--writers inline,process]
+
+``--python-us N`` adds N µs of pure Python a layer, the GIL held throughout, as vLLM's own
+Python between launches holds it: a thread of the tracer that wants the GIL then makes the
+engine's thread wait (``--writers inline,inline@0.1,inline@0`` compares the inline writer's idle
+thread looking once a second, 10 times a second, and not at all: ``PAGEDTRACE_IDLE_LOOK_S``).
 
 Prints the untraced and traced step times (median of rounds, interleaved), the difference
 in µs per step, and the ratio (wall time: noisy on a small machine); the CPU time the tracer's

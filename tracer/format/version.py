@@ -46,6 +46,10 @@ __version__ = "0.3.0"
 #:   tracer found the ``key`` / ``value`` ``do_kv_cache_update`` received equal, bit for bit, to
 #:   ``kv_written`` and did not store them again; readers give them back from ``kv_written``
 #:   (``Trace.tensors``). A version-3 reader would misread both, hence the bump.
+#:   Later in 0.3, without a bump: a CPU trace's manifest gains ``extra["cpu_attention"]``
+#:   (the kernel's ``isa`` and its ``bf16_conversion``, ``tracer.manifest``), which replay's
+#:   bar follows (``reference_impl.emulation.emulation_of``); a trace without it is judged as
+#:   before, by FlashAttention's rounding.
 FORMAT_VERSION = 4
 
 #: Format versions this pagedtrace reads.
