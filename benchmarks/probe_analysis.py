@@ -134,7 +134,7 @@ def report_run(run: dict[str, Any], stats: dict[str, Any], args: argparse.Namesp
 
     print(
         f"{'variant':22s} {'all rounds':24s} {'quiet rounds':24s} {'slow steps':>10s} {'adds/pass':>10s} "
-        f"{'blocked':>10s} {'cpu/pass':>9s} {'child':>7s}"
+        f"{'blocked':>10s} {'cpu/pass':>9s} {'child':>7s} {'looks':>5s}"
     )
     for v in variants:
         every = list(range(len(untraced)))
@@ -142,10 +142,12 @@ def report_run(run: dict[str, Any], stats: dict[str, Any], args: argparse.Namesp
         blocked = _host_median(stats.get(v, []), "vol", "{:g}/pass")
         cpu = _host_median(stats.get(v, []), "proc_cpu_ms", "{:g}ms")
         child = _host_median(stats.get(v, []), "child_cpu_ms", "{:g}ms")
+        looks = _host_median(stats.get(v, []), "idle_looks", "{:g}", within=None)
         all_s = "1" if v == "untraced" else interval(v, every)
         quiet_s = "1" if v == "untraced" else interval(v, quiet)
         print(
-            f"{v:22s} {all_s:24s} {quiet_s:24s} {share:10.1%} {extra * 1e3:8.1f}ms {blocked:>10s} {cpu:>9s} {child:>7s}"
+            f"{v:22s} {all_s:24s} {quiet_s:24s} {share:10.1%} {extra * 1e3:8.1f}ms "
+            f"{blocked:>10s} {cpu:>9s} {child:>7s} {looks:>5s}"
         )
     for v in variants:
         line = pieces_line(stats.get(v, []))
@@ -153,13 +155,15 @@ def report_run(run: dict[str, Any], stats: dict[str, Any], args: argparse.Namesp
             print(f"{v}: {line}")
 
 
-def _host_median(passes: list[dict[str, Any]], key: str, form: str) -> str:
-    """The median over passes of one of the probe's host figures (``host``), or "-" where a pass lacks it.
+def _host_median(passes: list[dict[str, Any]], key: str, form: str, within: str | None = "host") -> str:
+    """The median over passes of one of the probe's figures, or "-" where a pass lacks it.
 
-    ``vol``: the engine thread's blocks; ``proc_cpu_ms``: the engine process's CPU, every thread;
-    ``child_cpu_ms``: the record process's (probes from session 12 on).
+    In ``host`` (``within``): ``vol``, the engine thread's blocks; ``proc_cpu_ms``, the engine
+    process's CPU, every thread; ``child_cpu_ms``, the record process's. At the top
+    (``within=None``), the tracer's stats: ``idle_looks``, how often the inline writer's idle
+    thread took the GIL (probes from session 12 on).
     """
-    values = [p.get("host", {}).get(key) for p in passes]
+    values = [(p.get(within, {}) if within else p).get(key) for p in passes]
     if not values or None in values:
         return "-"
     return form.format(statistics.median(values))

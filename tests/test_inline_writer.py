@@ -190,7 +190,8 @@ def test_while_steps_run_the_idle_thread_looks_once_a_look_period_not_more(monke
         time.sleep(0.005)
     looks = clock.looks
     writer.close()
-    assert 2 <= looks <= 4
+    assert 2 <= looks <= 4 and writer.looks == looks  # counted, for the tracer's stats
+    assert writer.idle_hand_overs == 0  # steps kept coming: none found the engine idle
     assert handled == list(range(i))
 
 
@@ -205,6 +206,7 @@ def test_the_last_steps_reach_the_record_process_within_a_look_and_the_idle_time
     took = time.monotonic() - start
     writer.close()
     assert handled == [0] and took < 0.3 + 0.05 + 0.2
+    assert writer.idle_hand_overs >= 1
 
 
 def test_look_period_zero_starts_no_idle_thread_and_stop_still_hands_over():
@@ -236,6 +238,18 @@ def test_the_look_period_setting(monkeypatch, text, expected):
             idle_look_s()
     else:
         assert idle_look_s() == expected
+
+
+def test_stop_reports_the_idle_threads_looks_in_the_tracers_stats(tmp_path, monkeypatch):
+    import tracer.hooks as hooks
+
+    monkeypatch.setenv("PAGEDTRACE_IDLE_LOOK_S", "0.02")
+    t = _engine(tmp_path, monkeypatch, "inline")
+    _steps(t, 2)
+    time.sleep(0.3)  # the engine idle: looks, one of which hands the two steps over
+    monkeypatch.setattr(hooks, "_ACTIVE", t)  # as start() leaves it
+    t.stop()
+    assert t.stats["idle_looks"] >= 3 and t.stats["idle_hand_overs"] >= 1 and t.stats["records"] == 2
 
 
 def test_the_tracer_gives_its_inline_writer_the_look_period(tmp_path, monkeypatch):

@@ -59,6 +59,24 @@ def test_a_run_reads_into_one_table(analysis, tmp_path, capsys):
     assert "450/pass" in out and "4/pass" in out
 
 
+def test_the_table_gives_each_variants_cpu_and_idle_looks_a_pass(analysis, tmp_path, capsys):
+    step = [[0.0, 0.005]] * 65
+    host = {"vol": 9, "proc_cpu_ms": 2100, "child_cpu_ms": 35}
+    run = {
+        "summary": {"untraced": {"all_s": [1.6, 2.0]}, "metadata": {"all_s": [1.62, 2.2]}},
+        "pass_steps": {"untraced": [step] * 2, "metadata": [step] * 2},
+        "pass_stats": {
+            "untraced": [{"host": {"vol": 4, "proc_cpu_ms": 2000, "child_cpu_ms": 0}}] * 2,
+            "metadata": [{"host": host, "idle_looks": 2}, {"host": host, "idle_looks": 4}],
+        },
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert analysis.main([str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("metadata "))
+    assert line.split()[-4:] == ["9/pass", "2100ms", "35ms", "3"]  # the looks: the median of 2 and 4
+
+
 def test_a_run_without_untraced_passes_is_one_line(analysis, tmp_path, capsys):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"summary": {"metadata": {"all_s": [1.0]}}}))

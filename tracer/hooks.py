@@ -248,11 +248,14 @@ class Tracer:
                     self._submit_slot()
                 except Exception as exc:  # noqa: BLE001 - the session's tokens matter more
                     self._fail(f"pagedtrace: recording failed ({exc!r}); the last step is not in the trace")
+                looks = {}
                 if self._thread is not None:
                     self._thread.close()
+                    if isinstance(self._thread, InlineWriter):  # how often its idle thread took the GIL
+                        looks = {"idle_looks": self._thread.looks, "idle_hand_overs": self._thread.idle_hand_overs}
                     self._thread = None
                 self._sink.finish()
-                self.stats.update(self._sink.stats, ring_waits=self._pool.waits)
+                self.stats.update(self._sink.stats, ring_waits=self._pool.waits, **looks)
             finally:
                 self._restore_bypassed()
                 self._uninstall()

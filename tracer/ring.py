@@ -389,6 +389,8 @@ class InlineWriter(_HandOver):
         self._busy = busy
         self._closed = threading.Event()
         self._idle: threading.Thread | None = None
+        self.looks = 0  #: the idle thread's looks so far (each took the GIL)
+        self.idle_hand_overs = 0  #: of them, those that found the engine idle and handed something over
         if idle_s > 0 and look_s > 0:
             self._idle = threading.Thread(target=self._hand_over_when_idle, name="pagedtrace-idle", daemon=True)
             self._idle.start()
@@ -445,6 +447,7 @@ class InlineWriter(_HandOver):
     def _hand_over_when_idle(self) -> None:
         held = False  # ``end`` may hold messages back since the last idle hand-over
         while not self._closed.wait(self._look_s):
+            self.looks += 1
             if time.monotonic() - self._last < self._idle_s:
                 held = True  # steps ran: something may be held
                 continue
@@ -452,6 +455,7 @@ class InlineWriter(_HandOver):
                 continue
             if self._lock.acquire(blocking=False):  # else a step is handing over right now
                 try:
+                    self.idle_hand_overs += 1
                     if self._pending and not self._busy():
                         self._finish_all(self._take_all())
                     if not self._pending:
