@@ -308,10 +308,13 @@ class _HandOver:
 #: ``InlineWriter``: after this many seconds without a step, its idle thread hands over what is queued.
 IDLE_S = 0.1
 #: ``InlineWriter``: seconds between the idle thread's looks (``PAGEDTRACE_IDLE_LOOK_S``; 0: no idle
-#: thread). Each look takes the GIL, and while steps run the engine's thread holds it: a look made
-#: it wait for the GIL once or twice, and each wait put it to sleep (on the H200 ~50 blocks a 2 s
-#: PIECEWISE pass at 10 looks a second, 4-5 untraced). So it looks once a second: the last steps
-#: before the engine goes idle reach the record process within ``LOOK_S + IDLE_S``.
+#: thread). Each look takes the GIL, and while steps run the engine's thread holds it, so a look
+#: can make that thread wait for it and sleep: on the CPU stand-in with GIL-holding Python
+#: (``benchmarks/hot_path.py --python-us 150``) it blocked ~20 times a 2 s pass at 10 looks a
+#: second, ~4 at one, none without the thread. (On the H200 it blocked ~54 times a 2 s PIECEWISE
+#: pass at 10 looks a second, 4-5 untraced; how many of those were the looks is not measured yet.)
+#: So it looks once a second: the last steps before the engine goes idle reach the record process
+#: within ``LOOK_S + IDLE_S``.
 LOOK_S = 1.0
 ENV_IDLE_LOOK = "PAGEDTRACE_IDLE_LOOK_S"
 
