@@ -175,8 +175,8 @@ class _LookCounter:
 
 
 def test_while_steps_run_the_idle_thread_looks_once_a_look_period_not_more(monkeypatch):
-    # Each look takes the GIL from the engine's thread: at 10 looks a second it slept ~50 times a
-    # 2 s pass on the H200. Steps every 5 ms for 0.9 s, a look every 0.3 s: at most 3-4 looks.
+    # Each look takes the GIL from the engine's thread (on the CPU stand-in ~1 block a look). Steps
+    # every 5 ms for 0.9 s, a look every 0.3 s: 2-4 looks, not one per step.
     import tracer.ring as ring
 
     clock = _LookCounter()
