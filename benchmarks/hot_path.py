@@ -21,8 +21,9 @@ measures the real engine).
 
 ``--python-us N`` adds N µs of pure Python a layer, the GIL held throughout, as vLLM's own
 Python between launches holds it: a thread of the tracer that wants the GIL then makes the
-engine's thread wait (``--writers inline,inline@0.1,inline@0`` compares the inline writer's idle
-thread looking once a second, 10 times a second, and not at all: ``PAGEDTRACE_IDLE_LOOK_S``).
+engine's thread wait (``--writers inline,inline@look,inline@off`` compares the inline writer's idle
+thread asleep on a timer the steps push ahead, looking 10 times a second, and absent:
+``PAGEDTRACE_IDLE``).
 
 Prints the untraced and traced step times (median of rounds, interleaved), the difference
 in µs per step, and the ratio (wall time: noisy on a small machine); the CPU time the tracer's
@@ -261,15 +262,15 @@ def torch_calls_per_step(args: argparse.Namespace, steps: int = 50) -> dict[str,
 
 
 def _set_writer(kind: str | None) -> None:
-    """``PAGEDTRACE_WRITER`` (and, for ``inline@S``, ``PAGEDTRACE_IDLE_LOOK_S``) for ``kind``; None: unset both."""
+    """``PAGEDTRACE_WRITER`` (and, for ``inline@IDLE``, ``PAGEDTRACE_IDLE``) for ``kind``; None: unset both."""
     os.environ.pop("PAGEDTRACE_WRITER", None)
-    os.environ.pop("PAGEDTRACE_IDLE_LOOK_S", None)
+    os.environ.pop("PAGEDTRACE_IDLE", None)
     if kind is None:
         return
-    writer, _, look = kind.partition("@")
+    writer, _, idle = kind.partition("@")
     os.environ["PAGEDTRACE_WRITER"] = writer
-    if look:
-        os.environ["PAGEDTRACE_IDLE_LOOK_S"] = look
+    if idle:
+        os.environ["PAGEDTRACE_IDLE"] = idle
 
 
 def main() -> None:
@@ -291,7 +292,7 @@ def main() -> None:
         "--writers",
         default="inline,process",
         help="PAGEDTRACE_WRITER settings to time against untraced (inline, the default; process; thread); "
-        "inline@S: inline, its idle thread looking every S seconds (PAGEDTRACE_IDLE_LOOK_S)",
+        "inline@IDLE: inline, its idle thread timer, look or off (PAGEDTRACE_IDLE)",
     )
     args = ap.parse_args()
     from tracer.format import parse_layers

@@ -23,9 +23,9 @@ round so drift cancels. Variants:
                       their bytes go down the pipe to the record process (``PAGEDTRACE_HOST=pipe``,
                       as before session 11; the default lands them in memory that process maps,
                       ``tracer.shared_host``); ``metadata-pipe-parts`` times its pieces
-* ``metadata-look10`` the default, its idle thread looking 10 times a second (``PAGEDTRACE_IDLE_LOOK_S=0.1``,
-                      as before session 12; the default looks once a second); ``metadata-noidle``: no
-                      idle thread (``0``)
+* ``metadata-look10`` the default, its idle thread looking 10 times a second (``PAGEDTRACE_IDLE=look``,
+                      as before session 12; by default it sleeps on a timer each step pushes ahead,
+                      and wakes only when the steps stop); ``metadata-noidle``: no idle thread (``off``)
 * ``metadata-nowriter`` the writer thread does nothing with a slot (records lost): the engine's share alone
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
                       thread and of the writer's handling of each slot summed (``tracer_main_ms``,
@@ -267,8 +267,9 @@ def main() -> None:
         os.environ["PAGEDTRACE_EVENT_ON"] = "writer" if variant == "metadata-writerevent" else "engine"
         # metadata-pipe: the copies land in the slots' own buffers and their bytes go down the pipe
         os.environ["PAGEDTRACE_HOST"] = "pipe" if variant.startswith("metadata-pipe") else "shared"
-        # the inline writer's idle thread: a look a second by default; 10 a second before session 12; none
-        os.environ["PAGEDTRACE_IDLE_LOOK_S"] = {"metadata-look10": "0.1", "metadata-noidle": "0"}.get(variant, "")
+        # the inline writer's idle thread: asleep on a timer the steps push (default); 10 looks a second
+        # (before session 12); none
+        os.environ["PAGEDTRACE_IDLE"] = {"metadata-look10": "look", "metadata-noidle": "off"}.get(variant, "timer")
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
         kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}
@@ -338,7 +339,7 @@ def main() -> None:
         os.environ.pop("PAGEDTRACE_WRITER", None)
         os.environ.pop("PAGEDTRACE_EVENT_ON", None)
         os.environ.pop("PAGEDTRACE_HOST", None)
-        os.environ.pop("PAGEDTRACE_IDLE_LOOK_S", None)
+        os.environ.pop("PAGEDTRACE_IDLE", None)
         if variant.startswith("metadata") and variant != "metadata-nowriter":
             acct["check"] = _check_trace(directory)
         os.environ.pop("PAGEDTRACE_RING_SLOTS", None)

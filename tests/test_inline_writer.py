@@ -138,7 +138,7 @@ def test_stop_hands_over_the_last_steps(tmp_path, monkeypatch, mode):
 
 def test_the_last_steps_before_the_engine_idles_are_handed_over_without_another_step():
     pool, log, handled = SlotPool(8), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.02, look_s=0.02)
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.02)
     slot = _step(pool, writer, log, 0)
     slot.event.fired = True  # the device finished; no step follows
     deadline = time.monotonic() + 5
@@ -152,7 +152,7 @@ def test_the_idle_thread_keeps_off_the_device_while_graphs_are_captured():
     pool, log, handled = SlotPool(8), [], []
     capturing = [True]
     writer = InlineWriter(
-        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.01, look_s=0.01, busy=lambda: capturing[0]
+        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.01, busy=lambda: capturing[0]
     )
     _step(pool, writer, log, 0)
     time.sleep(0.2)
@@ -163,7 +163,7 @@ def test_the_idle_thread_keeps_off_the_device_while_graphs_are_captured():
 
 
 class _LookCounter:
-    """``tracer.ring``'s ``time``, counting the idle thread's looks (each asks the clock once)."""
+    """``tracer.ring``'s ``time``, counting the idle thread's wakes (each asks the clock once)."""
 
     def __init__(self):
         self.looks = 0
@@ -174,45 +174,73 @@ class _LookCounter:
         return time.monotonic()
 
 
-def test_while_steps_run_the_idle_thread_looks_once_a_look_period_not_more(monkeypatch):
-    # Each look takes the GIL from the engine's thread (on the CPU stand-in ~1 block a look). Steps
-    # every 5 ms for 0.9 s, a look every 0.3 s: 2-4 looks, not one per step.
+def _steady_steps(pool, writer, log, seconds: float) -> int:
+    """Steps every 5 ms for ``seconds``, each one's event fired; how many."""
+    start, i = time.monotonic(), 0
+    while time.monotonic() - start < seconds:
+        _step(pool, writer, log, i).event.fired = True
+        i += 1
+        time.sleep(0.005)
+    return i
+
+
+def test_with_the_timer_the_idle_thread_never_wakes_while_steps_run_and_hands_over_once_they_stop(monkeypatch):
+    # Each wake takes the GIL from the engine's thread (on the CPU stand-in ~1 block a wake): each
+    # step pushes the timer ahead, so it fires only after the last one.
     import tracer.ring as ring
 
     clock = _LookCounter()
     monkeypatch.setattr(ring, "time", clock)
     pool, log, handled = SlotPool(64), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.1, look_s=0.3, every=1)
-    start, i = time.monotonic(), 0
-    while time.monotonic() - start < 0.9:
-        _step(pool, writer, log, i).event.fired = True
-        i += 1
-        time.sleep(0.005)
-    looks = clock.looks
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.2, every=8)
+    assert writer.idle == "timer" and writer._timer is not None
+    n = _steady_steps(pool, writer, log, 0.6)
+    assert clock.looks == 0 and writer.looks == 0
+    deadline = time.monotonic() + 5
+    while len(handled) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handled == list(range(n)) and 1 <= writer.looks <= 3 and writer.idle_hand_overs >= 1
     writer.close()
-    assert 2 <= looks <= 4 and writer.looks == looks  # counted, for the tracer's stats
-    assert writer.idle_hand_overs == 0  # steps kept coming: none found the engine idle
-    assert handled == list(range(i))
+    assert writer._timer is None  # its file descriptor closed
 
 
-def test_the_last_steps_reach_the_record_process_within_a_look_and_the_idle_time():
+def test_looking_the_idle_thread_wakes_once_a_look_period_while_steps_run(monkeypatch):
+    import tracer.ring as ring
+
+    clock = _LookCounter()
+    monkeypatch.setattr(ring, "time", clock)
+    pool, log, handled = SlotPool(64), [], []
+    writer = InlineWriter(
+        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.25, idle="look", look_s=0.3, every=1
+    )
+    n = _steady_steps(pool, writer, log, 0.9)
+    writer.close()
+    assert 2 <= writer.looks <= 4 and writer.looks == clock.looks  # counted, for the tracer's stats
+    assert writer.idle_hand_overs == 0  # steps kept coming: no look found the engine idle
+    assert handled == list(range(n))
+
+
+@pytest.mark.parametrize("idle", ["timer", "look"])
+def test_the_last_steps_reach_the_record_process_within_the_idle_time(idle):
     pool, log, handled = SlotPool(8), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.05, look_s=0.3)
-    time.sleep(0.1)  # off the idle thread's schedule
+    writer = InlineWriter(
+        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.05, idle=idle, look_s=0.05
+    )
+    time.sleep(0.1)
     start = time.monotonic()
     _step(pool, writer, log, 0).event.fired = True
     while not handled and time.monotonic() - start < 5:
         time.sleep(0.005)
     took = time.monotonic() - start
     writer.close()
-    assert handled == [0] and took < 0.3 + 0.05 + 0.2
+    assert handled == [0] and took < 0.05 + 0.05 + 0.2
     assert writer.idle_hand_overs >= 1
 
 
-def test_look_period_zero_starts_no_idle_thread_and_stop_still_hands_over():
+def test_idle_off_starts_no_idle_thread_and_stop_still_hands_over():
     pool, log, handled = SlotPool(8), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, look_s=0)
-    assert writer._idle is None
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle="off")
+    assert writer._idle is None and writer._timer is None and writer.idle == "off"
     _step(pool, writer, log, 0).event.fired = True
     time.sleep(0.2)
     assert handled == []
@@ -220,40 +248,57 @@ def test_look_period_zero_starts_no_idle_thread_and_stop_still_hands_over():
     assert handled == [0]
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [(None, 1.0), ("", 1.0), (" 0.25 ", 0.25), ("0", 0.0), ("bad", None), ("-1", None), ("nan", None)],
-)
-def test_the_look_period_setting(monkeypatch, text, expected):
-    from tracer.ring import idle_look_s
+def test_the_idle_timer_fires_once_after_its_last_arming():
+    from tracer.ring import IdleTimer
+
+    timer = IdleTimer()
+    timer.arm(0.03)
+    start = time.monotonic()
+    assert timer.wait(2.0) and 0.02 < time.monotonic() - start < 1.0
+    assert not timer.wait(0.05)  # one-shot: read once, then quiet
+    timer.arm(0.15)
+    time.sleep(0.08)
+    timer.arm(0.15)  # pushed ahead: not at 0.15 s from the first arming
+    assert not timer.wait(0.1)
+    assert timer.wait(2.0)
+    timer.close()
+
+
+@pytest.mark.parametrize(("text", "expected"), [(None, "timer"), ("", "timer"), (" Look ", "look"), ("off", "off")])
+def test_the_idle_setting(monkeypatch, text, expected):
+    from tracer.ring import idle_mode
 
     if text is None:
-        monkeypatch.delenv("PAGEDTRACE_IDLE_LOOK_S", raising=False)
+        monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
     else:
-        monkeypatch.setenv("PAGEDTRACE_IDLE_LOOK_S", text)
-    if expected is None:
-        with pytest.raises(
-            ValueError, match=r"^PAGEDTRACE_IDLE_LOOK_S='.*': expected seconds >= 0 \(0: no idle thread\)$"
-        ):
-            idle_look_s()
-    else:
-        assert idle_look_s() == expected
+        monkeypatch.setenv("PAGEDTRACE_IDLE", text)
+    assert idle_mode() == expected
 
 
-def test_stop_reports_the_idle_threads_looks_in_the_tracers_stats(tmp_path, monkeypatch):
+def test_a_bad_idle_setting_is_one_line(tmp_path, monkeypatch):
+    from tracer.hooks import Tracer
+    from tracer.options import TracerOptions
+
+    monkeypatch.setenv("PAGEDTRACE_IDLE", "sometimes")
+    with pytest.raises(ValueError, match=r"^PAGEDTRACE_IDLE='sometimes': expected 'timer' or 'look' or 'off'$"):
+        Tracer(TracerOptions(str(tmp_path / "t")))
+
+
+def test_stop_reports_the_idle_threads_wakes_in_the_tracers_stats(tmp_path, monkeypatch):
     import tracer.hooks as hooks
 
-    monkeypatch.setenv("PAGEDTRACE_IDLE_LOOK_S", "0.02")
+    monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
     t = _engine(tmp_path, monkeypatch, "inline")
+    assert t._thread.idle == "timer"
     _steps(t, 2)
-    time.sleep(0.3)  # the engine idle: looks, one of which hands the two steps over
+    time.sleep(0.4)  # the engine idle: the timer fires and the two steps are handed over
     monkeypatch.setattr(hooks, "_ACTIVE", t)  # as start() leaves it
     t.stop()
-    assert t.stats["idle_looks"] >= 3 and t.stats["idle_hand_overs"] >= 1 and t.stats["records"] == 2
+    assert t.stats["idle_looks"] >= 1 and t.stats["idle_hand_overs"] >= 1 and t.stats["records"] == 2
 
 
-def test_the_tracer_gives_its_inline_writer_the_look_period(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDTRACE_IDLE_LOOK_S", "0")
+def test_the_tracer_gives_its_inline_writer_the_idle_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDTRACE_IDLE", "off")
     t = _engine(tmp_path, monkeypatch, "inline")
     assert isinstance(t._thread, InlineWriter) and t._thread._idle is None
     _steps(t, 2)

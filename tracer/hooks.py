@@ -62,7 +62,7 @@ from tracer.ring import (
     WriterThread,
     event_blocking,
     events_on_writer,
-    idle_look_s,
+    idle_mode,
     leave_event,
     record_event,
 )
@@ -149,7 +149,7 @@ class Tracer:
         #: first step is handed over on CUDA; None: the engine's thread records each step's event
         self._event_stream: tuple[Any, int] | None = None
         self._events_on_writer = events_on_writer()
-        self._look_s = idle_look_s()  # the inline writer's idle thread (``PAGEDTRACE_IDLE_LOOK_S``)
+        self._idle_mode = idle_mode()  # the inline writer's idle thread (``PAGEDTRACE_IDLE``)
         self._ring_slots = ring_slots
         self._throttle = throttle
         self._thread: WriterThread | InlineWriter | None = None
@@ -233,7 +233,7 @@ class Tracer:
                 end=self._sink.send_records,
                 busy=busy,
                 flush=self._sink.flush_records,
-                look_s=self._look_s,
+                idle=self._idle_mode,
             )
         return WriterThread(*args, throttle=self._throttle, end=self._sink.send_records, blocking=self._blocking_events)
 

@@ -31,14 +31,15 @@ from tracer.options import env_choice
 __all__ = [
     "ENV_EVENT_ON",
     "ENV_EVENT_WAIT",
-    "ENV_IDLE_LOOK",
+    "ENV_IDLE",
+    "IdleTimer",
     "InlineWriter",
     "Slot",
     "SlotPool",
     "WriterThread",
     "event_blocking",
     "events_on_writer",
-    "idle_look_s",
+    "idle_mode",
     "leave_event",
     "record_event",
 ]
@@ -307,30 +308,79 @@ class _HandOver:
 
 #: ``InlineWriter``: after this many seconds without a step, its idle thread hands over what is queued.
 IDLE_S = 0.1
-#: ``InlineWriter``: seconds between the idle thread's looks (``PAGEDTRACE_IDLE_LOOK_S``; 0: no idle
-#: thread). Each look takes the GIL, and while steps run the engine's thread holds it, so a look
-#: can make that thread wait for it and sleep: on the CPU stand-in with GIL-holding Python
-#: (``benchmarks/hot_path.py --python-us 150``) it blocked ~20 times a 2 s pass at 10 looks a
-#: second, ~4 at one, none without the thread. (On the H200 it blocked ~54 times a 2 s PIECEWISE
-#: pass at 10 looks a second, 4-5 untraced; how many of those were the looks is not measured yet.)
-#: So it looks once a second: the last steps before the engine goes idle reach the record process
-#: within ``LOOK_S + IDLE_S``.
-LOOK_S = 1.0
-ENV_IDLE_LOOK = "PAGEDTRACE_IDLE_LOOK_S"
+#: ``InlineWriter``'s idle thread (``PAGEDTRACE_IDLE``): ``timer`` (the default), it sleeps in the
+#: kernel on a one-shot timer each step pushes :data:`IDLE_S` ahead (:class:`IdleTimer`), so it
+#: wakes only once no step has come for that long; ``look``: it wakes :data:`LOOK_S` apart to look
+#: (before session 12, and where a ``timerfd`` cannot be made); ``off``: no idle thread (later
+#: steps and ``stop`` hand over). A wake takes the GIL, which the engine's thread holds while steps
+#: run, so a wake can make that thread wait for it and sleep: on the CPU stand-in with GIL-holding
+#: Python (``benchmarks/hot_path.py --python-us 150``) it blocked ~20 times a 2 s pass with looks
+#: 10 times a second, none without the thread. (On the H200 it blocked ~54 times a 2 s PIECEWISE
+#: pass with the looks, 4-5 untraced; how many of those were the looks is not measured yet.)
+ENV_IDLE = "PAGEDTRACE_IDLE"
+IDLE_MODES = ("timer", "look", "off")
+#: ``PAGEDTRACE_IDLE=look``: seconds between looks.
+LOOK_S = 0.1
 
 
-def idle_look_s() -> float:
-    """``PAGEDTRACE_IDLE_LOOK_S`` (unset or empty: :data:`LOOK_S`); a one-line ``ValueError`` if not seconds >= 0."""
-    text = (os.environ.get(ENV_IDLE_LOOK) or "").strip()
-    if not text:
-        return LOOK_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{ENV_IDLE_LOOK}={text!r}: expected seconds >= 0 (0: no idle thread)")
-    return value
+def idle_mode() -> str:
+    """``PAGEDTRACE_IDLE``: one of :data:`IDLE_MODES` (unset: ``timer``); a one-line ``ValueError`` otherwise."""
+    return env_choice(ENV_IDLE, IDLE_MODES)
+
+
+class IdleTimer:
+    """A one-shot Linux ``timerfd`` (``CLOCK_MONOTONIC``), made and set through libc with ctypes.
+
+    :meth:`arm` sets it to fire ``seconds`` from now (arming again moves it: no wake-up, one
+    system call); :meth:`wait` sleeps in ``select`` without the GIL until it fires (True) or
+    ``timeout`` passes (False). Raises ``OSError`` where there is no ``timerfd`` (not Linux).
+    """
+
+    def __init__(self) -> None:
+        import ctypes
+        import ctypes.util
+
+        class _Timespec(ctypes.Structure):
+            _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+        class _Itimerspec(ctypes.Structure):
+            _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+            create, settime = libc.timerfd_create, libc.timerfd_settime
+        except (OSError, AttributeError) as exc:
+            raise OSError(f"no timerfd here: {exc}") from None
+        create.argtypes, create.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        settime.restype = ctypes.c_int
+        fd = create(1, os.O_CLOEXEC | os.O_NONBLOCK)  # CLOCK_MONOTONIC; TFD_CLOEXEC / TFD_NONBLOCK are these
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_create failed")
+        self.fd = fd
+        self._settime = settime
+        self._spec = _Itimerspec()  # it_interval 0: one-shot
+        self._address = ctypes.addressof(self._spec)
+
+    def arm(self, seconds: float) -> None:
+        value = self._spec.it_value
+        value.tv_sec, value.tv_nsec = divmod(max(1, int(seconds * 1e9)), 1_000_000_000)
+        self._settime(self.fd, 0, self._address, None)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        import select
+
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            os.read(self.fd, 8)  # the expirations count: reading it disarms the readiness
+        except BlockingIOError:
+            return False
+        return True
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 #: ``InlineWriter``: steps queued before the engine's thread hands them over, together, in one
@@ -359,9 +409,11 @@ class InlineWriter(_HandOver):
     hand over every queued slot and wait for the events. A slot's records therefore reach the
     record process up to ``every`` steps late.
     So that the last steps before the engine goes idle are not held until the next request, an
-    idle thread looks every ``look_s`` seconds (:data:`LOOK_S`, once a second: each look takes
-    the GIL from the engine's thread) and, once no step has come for ``idle_s``, hands over what
-    is queued; ``look_s=0``: no idle thread (``stop`` and later steps hand over). It keeps off the device
+    idle thread hands over what is queued once no step has come for ``idle_s`` (``idle``: see
+    :data:`ENV_IDLE`). By default it sleeps on an :class:`IdleTimer` that each :meth:`submit`
+    pushes ``idle_s`` ahead, so while steps run it never wakes and never takes the GIL; with
+    ``idle="look"`` it wakes every ``look_s`` to look; ``"off"``: no idle thread (``stop`` and later
+    steps hand over). ``looks`` counts its wakes. It keeps off the device
     while ``busy()`` says so (the runner captures CUDA graphs). One lock keeps the two from
     handing over at once; a step that finds it taken leaves its slot queued. Same interface as
     :class:`WriterThread`; ``throttle`` (tests) sleeps on the thread that hands over.
@@ -376,6 +428,7 @@ class InlineWriter(_HandOver):
         throttle: float = 0.0,
         end: Callable[[], None] | None = None,
         idle_s: float = IDLE_S,
+        idle: str = "timer",
         look_s: float = LOOK_S,
         busy: Callable[[], bool] = lambda: False,
         flush: Callable[[], None] | None = None,
@@ -392,16 +445,30 @@ class InlineWriter(_HandOver):
         self._busy = busy
         self._closed = threading.Event()
         self._idle: threading.Thread | None = None
-        self.looks = 0  #: the idle thread's looks so far (each took the GIL)
+        self._timer: IdleTimer | None = None
+        self.looks = 0  #: the idle thread's wakes so far (each took the GIL)
         self.idle_hand_overs = 0  #: of them, those that found the engine idle and handed something over
-        if idle_s > 0 and look_s > 0:
+        if idle not in IDLE_MODES:
+            raise ValueError(f"idle {idle!r}: expected one of {IDLE_MODES}")
+        if idle == "timer" and idle_s > 0:
+            try:
+                self._timer = IdleTimer()
+            except OSError:  # not Linux: look instead
+                idle = "look"
+        #: how the idle thread waits: ``timer``, ``look`` or ``off`` (``timer`` falls back to ``look``)
+        self.idle = idle if idle_s > 0 else "off"
+        if self.idle != "off" and (self.idle == "timer" or look_s > 0):
             self._idle = threading.Thread(target=self._hand_over_when_idle, name="pagedtrace-idle", daemon=True)
             self._idle.start()
+        else:
+            self.idle = "off"
 
     def submit(self, slot: Slot) -> None:
         pending = self._pending
         pending.append(slot)
         self._last = time.monotonic()
+        if self._timer is not None:
+            self._timer.arm(self._idle_s)  # the idle thread wakes only if no step follows in time
         if len(pending) < self.every:
             return
         if not self._lock.acquire(blocking=False):
@@ -443,18 +510,40 @@ class InlineWriter(_HandOver):
     def close(self) -> None:
         """End the idle thread, then hand over what is queued."""
         self._closed.set()
+        if self._timer is not None:
+            self._timer.arm(0)  # wakes the idle thread at once
         if self._idle is not None and self._idle is not threading.current_thread():
             self._idle.join()
+            if self._timer is not None:
+                self._timer.close()
+                self._timer = None
         self.drain()
+
+    def _wake(self) -> bool:
+        """Sleep until the next look (``look``) or until the timer fires (``timer``); False: closed."""
+        timer = self._timer
+        if timer is None:
+            return not self._closed.wait(self._look_s)
+        while not timer.wait(None):  # a spurious wake-up: sleep again
+            pass
+        return not self._closed.is_set()
 
     def _hand_over_when_idle(self) -> None:
         held = False  # ``end`` may hold messages back since the last idle hand-over
-        while not self._closed.wait(self._look_s):
+        timer = self._timer
+        while self._wake():
             self.looks += 1
-            if time.monotonic() - self._last < self._idle_s:
+            if timer is not None:
+                held = True  # the timer fires only after a step
+            since = time.monotonic() - self._last
+            if since < self._idle_s:
                 held = True  # steps ran: something may be held
+                if timer is not None:  # a step came after the timer was set: wake when it is idle_s old
+                    timer.arm(self._idle_s - since)
                 continue
             if (not self._pending and not held) or self._busy():
+                if timer is not None and held:  # graphs are being captured: look again later
+                    timer.arm(self._idle_s)
                 continue
             if self._lock.acquire(blocking=False):  # else a step is handing over right now
                 try:
@@ -466,6 +555,8 @@ class InlineWriter(_HandOver):
                         held = False
                 finally:
                     self._lock.release()
+            if timer is not None and (held or self._pending):  # something is left: look again
+                timer.arm(self._idle_s)
 
 
 class WriterThread(_HandOver):
