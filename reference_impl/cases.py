@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from reference_impl import replay as _replay
-from reference_impl.emulation import emulation_of, interval_midpoints
-from reference_impl.tolerances import TOL_K, compare
+from reference_impl.emulation import emulation_of
+from reference_impl.tolerances import TOL_K
 from tracer.format import StepRecord, Trace, TraceError, layer_index
 
 __all__ = ["KernelCase", "case_id", "case_records", "iter_cases", "load_case", "load_cases", "open_trace"]
@@ -135,8 +135,7 @@ def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) ->
     reference, baseline = _replay.reference_outputs(inputs)
     num = inputs.num_tokens
     expected = tensors["output"]
-    judged, base = (interval_midpoints(x[:num], inputs.emulation) for x in (expected, baseline))  # as replay reads them
-    verdict = compare(judged, reference[:num], base, k=TOL_K, dtype=inputs.out_dtype)
+    verdict = _replay.judge_output(inputs, expected, reference, baseline)  # as replay judges it
     return KernelCase(
         id=case_id(trace, record),
         trace=str(trace.path),

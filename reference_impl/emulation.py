@@ -149,8 +149,7 @@ def interval_midpoints(x: torch.Tensor, emulation: Emulation) -> torch.Tensor:
     if emulation.output_rounding != "toward_zero" or x.dtype != torch.bfloat16:
         return x
     wide = x.to(torch.float32)
-    mantissa, exponent = torch.frexp(wide)  # |mantissa| in [0.5, 1): ulp = 2^(exponent - 8) for bf16
-    del mantissa
+    _, exponent = torch.frexp(wide)  # |mantissa| in [0.5, 1): ulp = 2^(exponent - 8) for bf16
     half_ulp = torch.ldexp(torch.ones_like(wide), (exponent - 9).to(torch.int32))
     mid = wide + torch.sign(wide) * half_ulp
     return torch.where(torch.isfinite(wide) & (wide != 0), mid, wide)

@@ -34,11 +34,12 @@ from reference_impl.emulation import (
     Emulation,
     dequantize_query,
     emulate_flash_attention,
+    interval_midpoints,
     quantize_query,
 )
 from reference_impl.options import KernelOptions
 from reference_impl.resolve import read_cache
-from reference_impl.tolerances import REFERENCE_DTYPE
+from reference_impl.tolerances import REFERENCE_DTYPE, TOL_K, compare
 from tracer.format import KVCacheSpec, StepRecord, TraceError
 from tracer.format.rows import QUERY_ROWS, RowView, row_view
 
@@ -250,6 +251,19 @@ def reference_outputs(inputs: StepInputs, kernel: str = "fast") -> tuple[torch.T
     block_size = inputs.key_cache.shape[1]
     expected = run_kernel(kernel, *inputs.args, block_size=block_size, compute_dtype=REFERENCE_DTYPE, **inputs.kwargs)
     return expected, emulated_output(inputs)
+
+
+def judge_output(
+    inputs: StepInputs, output: torch.Tensor, expected: torch.Tensor, baseline: torch.Tensor
+) -> dict[str, Any]:
+    """:func:`reference_impl.tolerances.compare` of a step's recorded ``output`` (its first ``num_tokens`` rows).
+
+    A truncating kernel's values, and its baseline's, are read at the middle of the interval
+    each stands for (``interval_midpoints``: unbiased); the bar is ``TOL_K`` at ``inputs.out_dtype``.
+    """
+    num = inputs.num_tokens
+    judged, base = (interval_midpoints(x[:num], inputs.emulation) for x in (output, baseline))
+    return compare(judged, expected[:num], base, k=TOL_K, dtype=inputs.out_dtype)
 
 
 def emulated_output(inputs: StepInputs) -> torch.Tensor:

@@ -37,10 +37,17 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from reference_impl.checks import check_legacy_path, check_write_path
-from reference_impl.emulation import FLASH, Emulation, emulation_of, interval_midpoints
-from reference_impl.inputs import KERNELS, StepInputs, compact_block_table, reference_outputs, step_inputs
+from reference_impl.emulation import FLASH, Emulation, emulation_of
+from reference_impl.inputs import (
+    KERNELS,
+    StepInputs,
+    compact_block_table,
+    judge_output,
+    reference_outputs,
+    step_inputs,
+)
 from reference_impl.resolve import kv_spec, read_cache, resolve_layout
-from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, bar_note, compare, tolerance_for
+from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, bar_note, tolerance_for
 from tracer.format import (
     REPLAY,
     HeadResult,
@@ -76,6 +83,7 @@ __all__ = [
     "check_legacy_path",
     "check_write_path",
     "compact_block_table",
+    "judge_output",
     "kv_spec",
     "read_cache",
     "reference_outputs",
@@ -121,9 +129,7 @@ def replay_record(
     output, num = tensors["output"], inputs.num_tokens
     expected, baseline = reference_outputs(inputs, kernel)
     # The bar is per head and never depends on `kernel` (reference_impl.tolerances).
-    # A truncating kernel's values are read at the middle of the interval each stands for (unbiased).
-    judged, base = (interval_midpoints(x[:num], inputs.emulation) for x in (output, baseline))
-    verdict = compare(judged, expected[:num], base, k=TOL_K, dtype=inputs.out_dtype)
+    verdict = judge_output(inputs, output, expected, baseline)
     # Per-head scale for the relative error: the largest |reference| value of that head.
     ref_scale = expected[:num].abs().amax(dim=(0, 2)) if num else torch.zeros(inputs.query.shape[1])
     heads = tuple(

@@ -20,6 +20,7 @@ from reference_impl.emulation import (
     CPU_VEC_NEAREST,
     CPU_VEC_TOWARD_ZERO,
     FLASH,
+    _truncate_to_bf16,
     emulate_flash_attention,
     emulation_of,
     interval_midpoints,
@@ -267,7 +268,7 @@ def test_emulation_of_a_trace(extra, expected):
 
 def test_truncated_values_are_read_at_the_middle_of_their_interval():
     x = torch.randn(50000, generator=torch.Generator().manual_seed(0)) * 7
-    truncated = emulate_flash_attention.__globals__["_truncate_to_bf16"](x)
+    truncated = _truncate_to_bf16(x)
     wide = truncated.float()
     away = (wide.abs().view(torch.int32) + 65536).view(torch.float32)  # the next bf16 away from zero
     assert bool(((wide.abs() <= x.abs()) & (x.abs() < away)).all())  # toward zero, within an ulp

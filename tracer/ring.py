@@ -450,18 +450,18 @@ class InlineWriter(_HandOver):
         self.idle_hand_overs = 0  #: of them, those that found the engine idle and handed something over
         if idle not in IDLE_MODES:
             raise ValueError(f"idle {idle!r}: expected one of {IDLE_MODES}")
-        if idle == "timer" and idle_s > 0:
+        if idle == "timer":
             try:
-                self._timer = IdleTimer()
+                self._timer = IdleTimer() if idle_s > 0 else None
             except OSError:  # not Linux: look instead
                 idle = "look"
+        if idle_s <= 0 or (idle == "look" and look_s <= 0):
+            idle = "off"
         #: how the idle thread waits: ``timer``, ``look`` or ``off`` (``timer`` falls back to ``look``)
-        self.idle = idle if idle_s > 0 else "off"
-        if self.idle != "off" and (self.idle == "timer" or look_s > 0):
+        self.idle = idle
+        if idle != "off":
             self._idle = threading.Thread(target=self._hand_over_when_idle, name="pagedtrace-idle", daemon=True)
             self._idle.start()
-        else:
-            self.idle = "off"
 
     def submit(self, slot: Slot) -> None:
         pending = self._pending
