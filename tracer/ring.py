@@ -315,8 +315,9 @@ IDLE_S = 0.1
 #: steps and ``stop`` hand over). A wake takes the GIL, which the engine's thread holds while steps
 #: run, so a wake can make that thread wait for it and sleep: on the CPU stand-in with GIL-holding
 #: Python (``benchmarks/hot_path.py --python-us 150``) it blocked ~20 times a 2 s pass with looks
-#: 10 times a second, none without the thread. (On the H200 it blocked ~54 times a 2 s PIECEWISE
-#: pass with the looks, 4-5 untraced; how many of those were the looks is not measured yet.)
+#: 10 times a second, none without the thread. On the H200 (session 13, a 2 s PIECEWISE pass) it
+#: blocked 55 times a pass with the looks, 38-41 with the timer (3 wakes, one after each batch: the
+#: hand-overs, ~10 blocks each), 4 with ``off`` as untraced; the pass time did not measurably differ.
 ENV_IDLE = "PAGEDTRACE_IDLE"
 IDLE_MODES = ("timer", "look", "off")
 #: ``PAGEDTRACE_IDLE=look``: seconds between looks.
