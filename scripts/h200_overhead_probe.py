@@ -23,9 +23,12 @@ round so drift cancels. Variants:
                       their bytes go down the pipe to the record process (``PAGEDTRACE_HOST=pipe``,
                       as before session 11; the default lands them in memory that process maps,
                       ``tracer.shared_host``); ``metadata-pipe-parts`` times its pieces
-* ``metadata-look10`` the default, its idle thread looking 10 times a second (``PAGEDTRACE_IDLE=look``,
-                      as before session 12; by default it sleeps on a timer each step pushes ahead,
-                      and wakes only when the steps stop); ``metadata-noidle``: no idle thread (``off``)
+* ``metadata-timer``  the default, but the steps held when the engine idles are handed over by an
+                      idle thread asleep on a timer each step pushes ahead (``PAGEDTRACE_IDLE=timer``,
+                      the default in sessions 12-13; since session 14 they go over on the engine's
+                      own thread when vLLM's loop runs out of work, ``engine``);
+                      ``metadata-look10``: that thread looking 10 times a second instead (``look``,
+                      as before session 12); ``metadata-noidle``: neither (``off``)
 * ``metadata-nowriter`` the writer thread does nothing with a slot (records lost): the engine's share alone
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
                       thread and of the writer's handling of each slot summed (``tracer_main_ms``,
@@ -89,6 +92,7 @@ KNOWN_VARIANTS = (
     "metadata-inline-parts",
     "metadata-pipe",
     "metadata-pipe-parts",
+    "metadata-timer",
     "metadata-look10",
     "metadata-noidle",
     "metadata-nowriter",
@@ -267,9 +271,10 @@ def main() -> None:
         os.environ["PAGEDTRACE_EVENT_ON"] = "writer" if variant == "metadata-writerevent" else "engine"
         # metadata-pipe: the copies land in the slots' own buffers and their bytes go down the pipe
         os.environ["PAGEDTRACE_HOST"] = "pipe" if variant.startswith("metadata-pipe") else "shared"
-        # the inline writer's idle thread: asleep on a timer the steps push (default); 10 looks a second
-        # (before session 12); none
-        os.environ["PAGEDTRACE_IDLE"] = {"metadata-look10": "look", "metadata-noidle": "off"}.get(variant, "timer")
+        # the held steps once the engine idles: on its own thread (default); an idle thread asleep on a
+        # timer the steps push (sessions 12-13); the thread looking 10 times a second (before); neither
+        idle = {"metadata-timer": "timer", "metadata-look10": "look", "metadata-noidle": "off"}
+        os.environ["PAGEDTRACE_IDLE"] = idle.get(variant, "engine")
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
         kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}

@@ -138,7 +138,7 @@ def test_stop_hands_over_the_last_steps(tmp_path, monkeypatch, mode):
 
 def test_the_last_steps_before_the_engine_idles_are_handed_over_without_another_step():
     pool, log, handled = SlotPool(8), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.02)
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.02, idle="timer")
     slot = _step(pool, writer, log, 0)
     slot.event.fired = True  # the device finished; no step follows
     deadline = time.monotonic() + 5
@@ -152,7 +152,12 @@ def test_the_idle_thread_keeps_off_the_device_while_graphs_are_captured():
     pool, log, handled = SlotPool(8), [], []
     capturing = [True]
     writer = InlineWriter(
-        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.01, busy=lambda: capturing[0]
+        pool,
+        lambda slot: handled.append(slot.payload),
+        log.append,
+        idle_s=0.01,
+        idle="timer",
+        busy=lambda: capturing[0],
     )
     _step(pool, writer, log, 0)
     time.sleep(0.2)
@@ -192,7 +197,9 @@ def test_with_the_timer_the_idle_thread_never_wakes_while_steps_run_and_hands_ov
     clock = _LookCounter()
     monkeypatch.setattr(ring, "time", clock)
     pool, log, handled = SlotPool(64), [], []
-    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.2, every=8)
+    writer = InlineWriter(
+        pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.2, idle="timer", every=8
+    )
     assert writer.idle == "timer" and writer._timer is not None
     n = _steady_steps(pool, writer, log, 0.6)
     assert clock.looks == 0 and writer.looks == 0
@@ -264,7 +271,9 @@ def test_the_idle_timer_fires_once_after_its_last_arming():
     timer.close()
 
 
-@pytest.mark.parametrize(("text", "expected"), [(None, "timer"), ("", "timer"), (" Look ", "look"), ("off", "off")])
+@pytest.mark.parametrize(
+    ("text", "expected"), [(None, "engine"), ("", "engine"), (" Timer ", "timer"), ("look", "look"), ("off", "off")]
+)
 def test_the_idle_setting(monkeypatch, text, expected):
     from tracer.ring import idle_mode
 
@@ -280,14 +289,16 @@ def test_a_bad_idle_setting_is_one_line(tmp_path, monkeypatch):
     from tracer.options import TracerOptions
 
     monkeypatch.setenv("PAGEDTRACE_IDLE", "sometimes")
-    with pytest.raises(ValueError, match=r"^PAGEDTRACE_IDLE='sometimes': expected 'timer' or 'look' or 'off'$"):
+    with pytest.raises(
+        ValueError, match=r"^PAGEDTRACE_IDLE='sometimes': expected 'engine' or 'timer' or 'look' or 'off'$"
+    ):
         Tracer(TracerOptions(str(tmp_path / "t")))
 
 
 def test_stop_reports_the_idle_threads_wakes_in_the_tracers_stats(tmp_path, monkeypatch):
     import tracer.hooks as hooks
 
-    monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
+    monkeypatch.setenv("PAGEDTRACE_IDLE", "timer")
     t = _engine(tmp_path, monkeypatch, "inline")
     assert t._thread.idle == "timer"
     _steps(t, 2)
@@ -295,6 +306,7 @@ def test_stop_reports_the_idle_threads_wakes_in_the_tracers_stats(tmp_path, monk
     monkeypatch.setattr(hooks, "_ACTIVE", t)  # as start() leaves it
     t.stop()
     assert t.stats["idle_looks"] >= 1 and t.stats["idle_hand_overs"] >= 1 and t.stats["records"] == 2
+    assert t.stats["idle"] == "timer"
 
 
 def test_the_tracer_gives_its_inline_writer_the_idle_setting(tmp_path, monkeypatch):

@@ -70,7 +70,16 @@ from tracer.runtime import capturing, cuda_available, is_warmup_batch
 from tracer.sink import TraceSink
 from tracer.staging import SHARED as GRAPH_STAGING
 
-__all__ = ["BACKEND_TARGETS", "MODULE_TARGETS", "RUNNER_METHODS", "RUNNER_TARGETS", "Tracer", "TracerOptions", "active"]
+__all__ = [
+    "BACKEND_TARGETS",
+    "ENGINE_IDLE_TARGETS",
+    "MODULE_TARGETS",
+    "RUNNER_METHODS",
+    "RUNNER_TARGETS",
+    "Tracer",
+    "TracerOptions",
+    "active",
+]
 
 logger = logging.getLogger("pagedtrace")
 
@@ -88,6 +97,15 @@ MODULE_TARGETS = (
     ("vllm.v1.worker.gpu_model_runner", "set_forward_context"),
     ("vllm.v1.worker.gpu.model_runner", "set_forward_context"),
     ("vllm.v1.worker.gpu.model_runner", "dispatch_cg_and_sync_dp"),
+)
+
+#: Where vLLM's loop runs out of work, on the engine's thread: (module, class, method). The engine
+#: core's busy loop calls the first just before it waits for requests; ``LLM`` runs the engine in
+#: its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) in the second. With ``PAGEDTRACE_IDLE=engine``
+#: (the default) the tracer hands over the steps it holds there (``tracer.ring.InlineWriter.engine_idle``).
+ENGINE_IDLE_TARGETS = (
+    ("vllm.v1.engine.core", "EngineCoreProc", "_notify_idle_state_callbacks"),
+    ("vllm.entrypoints.offline_utils", "OfflineInferenceMixin", "_run_engine"),
 )
 
 #: The one line said when tensors are asked for but a full CUDA graph was captured without the tracer's copies.
@@ -149,7 +167,10 @@ class Tracer:
         #: first step is handed over on CUDA; None: the engine's thread records each step's event
         self._event_stream: tuple[Any, int] | None = None
         self._events_on_writer = events_on_writer()
-        self._idle_mode = idle_mode()  # the inline writer's idle thread (``PAGEDTRACE_IDLE``)
+        self._idle_mode = idle_mode()  # how the inline writer hands over once the engine idles (``PAGEDTRACE_IDLE``)
+        #: vLLM's loop runs in this process and says when it idles (``ENGINE_IDLE_TARGETS``)
+        self._engine_loop = False
+        self._idle_decided = False  # the first request step has asked whether it does
         self._ring_slots = ring_slots
         self._throttle = throttle
         self._thread: WriterThread | InlineWriter | None = None
@@ -182,7 +203,7 @@ class Tracer:
         self.untraced_now: dict[str, bool] = {}
         self._step_tensors: dict[str, dict[str, Any]] = {}
         self._staging = GRAPH_STAGING  # tensors the captured full graphs copy out on every replay
-        self.stats = {"records": 0, "gaps": 0, "tensor_files": 0, "ring_waits": 0}
+        self.stats: dict[str, Any] = {"records": 0, "gaps": 0, "tensor_files": 0, "ring_waits": 0}
 
     # -- install / uninstall -------------------------------------------------
 
@@ -248,14 +269,19 @@ class Tracer:
                     self._submit_slot()
                 except Exception as exc:  # noqa: BLE001 - the session's tokens matter more
                     self._fail(f"pagedtrace: recording failed ({exc!r}); the last step is not in the trace")
-                looks = {}
+                looks: dict[str, Any] = {}
                 if self._thread is not None:
                     self._thread.close()
                     if isinstance(self._thread, InlineWriter):  # how often its idle thread took the GIL
-                        looks = {"idle_looks": self._thread.looks, "idle_hand_overs": self._thread.idle_hand_overs}
+                        looks = {
+                            "idle": self._thread.idle,
+                            "idle_looks": self._thread.looks,
+                            "idle_hand_overs": self._thread.idle_hand_overs,
+                        }
                     self._thread = None
-                self._sink.finish()
-                self.stats.update(self._sink.stats, ring_waits=self._pool.waits, **looks)
+                looks["ring_waits"] = self._pool.waits
+                self._sink.finish(looks)
+                self.stats.update(self._sink.stats, **looks)
             finally:
                 self._restore_bypassed()
                 self._uninstall()
@@ -310,6 +336,12 @@ class Tracer:
                 continue
             make = wrappers.forward_context if func == "set_forward_context" else wrappers.dispatch
             self._patch(sys.modules[module_name], func, functools.partial(make, self))
+        if self._idle_mode == "engine" and self._sink.inline:
+            for module_name, cls_name, method in ENGINE_IDLE_TARGETS:
+                cls = import_attr(module_name, cls_name)
+                if cls is not None:
+                    make = wrappers.run_engine if method == "_run_engine" else wrappers.engine_idle
+                    self._patch(cls, method, functools.partial(make, self))
 
     def _patch(self, owner: Any, name: str, make_wrapper: Any) -> None:
         original = vars(owner).get(name)
@@ -553,6 +585,8 @@ class Tracer:
                 self._bypass_untraced()
             if method == "execute_model" and kind == "request":
                 self._end_request_step(runner, args, kwargs)
+                if not self._idle_decided:
+                    self._decide_idle()
             elif not self._seen_in_step and kind == "profile" and step_in_range(self.step, self.options.steps):
                 self._record_gap(kind, "profile run: vLLM skips attention", 0)
             self._end_pass()
@@ -560,6 +594,27 @@ class Tracer:
         except Exception as exc:  # noqa: BLE001
             self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
             self._drop_slot()
+
+    def _decide_idle(self) -> None:
+        """The first request step: without vLLM's loop in this process, the inline writer falls back to its timer."""
+        self._idle_decided = True
+        writer = self._thread
+        if isinstance(writer, InlineWriter) and writer.idle == "engine" and not self._engine_loop:
+            writer.fall_back()
+
+    def engine_loop_here(self) -> None:
+        """vLLM's loop runs in this process (``LLM._run_engine``): :meth:`engine_idle` will come."""
+        self._engine_loop = True
+
+    def engine_idle(self) -> None:
+        """vLLM's loop ran out of work (``ENGINE_IDLE_TARGETS``): hand over the steps held, on this thread."""
+        self._engine_loop = True
+        writer = self._thread
+        if isinstance(writer, InlineWriter) and writer.idle == "engine":
+            try:
+                writer.engine_idle()
+            except Exception as exc:  # noqa: BLE001 - the engine must run on
+                self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
 
     def _bypass_untraced(self) -> None:
         """Give the layers no step traces vLLM's own ``forward`` back, on their impl objects.

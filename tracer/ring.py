@@ -308,24 +308,30 @@ class _HandOver:
 
 #: ``InlineWriter``: after this many seconds without a step, its idle thread hands over what is queued.
 IDLE_S = 0.1
-#: ``InlineWriter``'s idle thread (``PAGEDTRACE_IDLE``): ``timer`` (the default), it sleeps in the
-#: kernel on a one-shot timer each step pushes :data:`IDLE_S` ahead (:class:`IdleTimer`), so it
-#: wakes only once no step has come for that long; ``look``: it wakes :data:`LOOK_S` apart to look
-#: (before session 12, and where a ``timerfd`` cannot be made); ``off``: no idle thread (later
-#: steps and ``stop`` hand over). A wake takes the GIL, which the engine's thread holds while steps
-#: run, so a wake can make that thread wait for it and sleep: on the CPU stand-in with GIL-holding
-#: Python (``benchmarks/hot_path.py --python-us 150``) it blocked ~20 times a 2 s pass with looks
-#: 10 times a second, none without the thread. On the H200 (session 13, a 2 s PIECEWISE pass) it
-#: blocked 55 times a pass with the looks, 38-41 with the timer (3 wakes, one after each batch: the
-#: hand-overs, ~10 blocks each), 4 with ``off`` as untraced; the pass time did not measurably differ.
+#: How ``InlineWriter`` hands over the steps it holds once the engine goes idle (``PAGEDTRACE_IDLE``).
+#: ``engine`` (the default): on the engine's own thread, when vLLM's loop runs out of work (the
+#: engine core's busy loop about to wait for requests, ``EngineCoreProc._notify_idle_state_callbacks``,
+#: or the end of ``LLM``'s in-process ``_run_engine``): no thread of the tracer's runs in the
+#: engine's process. Where no such loop runs in the process that steps the model (a worker of its
+#: own under tensor parallelism, a hand-driven ``LLMEngine``) it falls back to ``timer`` at the
+#: first request step. ``timer``: an idle thread sleeps in the kernel on a one-shot timer each step
+#: pushes :data:`IDLE_S` ahead (:class:`IdleTimer`), so it wakes only once no step has come for that
+#: long; ``look``: it wakes :data:`LOOK_S` apart to look (before session 12, and where a
+#: ``timerfd`` cannot be made); ``off``: nothing (later steps and ``stop`` hand over). An idle
+#: thread's wake takes the GIL, which the engine's thread holds while steps run, so it can make
+#: that thread wait and sleep: on the CPU stand-in with GIL-holding Python
+#: (``benchmarks/hot_path.py --python-us 150``) it blocked ~20 times a 2 s pass with looks 10 times
+#: a second, none without the thread. On the H200 (session 13, a 2 s PIECEWISE pass) it blocked 55
+#: times a pass with the looks, 38-41 with the timer (3 wakes, one after each batch: the hand-overs,
+#: ~10 blocks each), 4 with ``off`` as untraced; the pass time did not measurably differ.
 ENV_IDLE = "PAGEDTRACE_IDLE"
-IDLE_MODES = ("timer", "look", "off")
+IDLE_MODES = ("engine", "timer", "look", "off")
 #: ``PAGEDTRACE_IDLE=look``: seconds between looks.
 LOOK_S = 0.1
 
 
 def idle_mode() -> str:
-    """``PAGEDTRACE_IDLE``: one of :data:`IDLE_MODES` (unset: ``timer``); a one-line ``ValueError`` otherwise."""
+    """``PAGEDTRACE_IDLE``: one of :data:`IDLE_MODES` (unset: ``engine``); a one-line ``ValueError`` otherwise."""
     return env_choice(ENV_IDLE, IDLE_MODES)
 
 
@@ -409,15 +415,19 @@ class InlineWriter(_HandOver):
     later step. :meth:`make_room` (a step found no free slot), :meth:`drain` and :meth:`close`
     hand over every queued slot and wait for the events. A slot's records therefore reach the
     record process up to ``every`` steps late.
-    So that the last steps before the engine goes idle are not held until the next request, an
-    idle thread hands over what is queued once no step has come for ``idle_s`` (``idle``: see
-    :data:`ENV_IDLE`). By default it sleeps on an :class:`IdleTimer` that each :meth:`submit`
-    pushes ``idle_s`` ahead, so while steps run it never wakes and never takes the GIL; with
-    ``idle="look"`` it wakes every ``look_s`` to look; ``"off"``: no idle thread (``stop`` and later
-    steps hand over). ``looks`` counts its wakes. It keeps off the device
-    while ``busy()`` says so (the runner captures CUDA graphs). One lock keeps the two from
-    handing over at once; a step that finds it taken leaves its slot queued. Same interface as
-    :class:`WriterThread`; ``throttle`` (tests) sleeps on the thread that hands over.
+    So that the last steps before the engine goes idle are not held until the next request, what
+    is queued is handed over once the engine goes idle (``idle``: see :data:`ENV_IDLE`). With
+    ``idle="engine"`` the tracer calls :meth:`engine_idle` on the engine's thread when vLLM's loop
+    runs out of work, and no thread is started; :meth:`fall_back` starts the ``timer`` thread
+    instead where no such call will come. With ``"timer"`` an idle thread hands over once no step
+    has come for ``idle_s``: it sleeps on an :class:`IdleTimer` that each :meth:`submit` pushes
+    ``idle_s`` ahead, so while steps run it never wakes and never takes the GIL; with ``"look"`` it
+    wakes every ``look_s`` to look; ``"off"``: neither (``stop`` and later steps hand over).
+    ``looks`` counts the thread's wakes, ``idle_hand_overs`` the idle hand-overs. An idle hand-over
+    keeps off the device while ``busy()`` says so (the runner captures CUDA graphs). One lock keeps
+    a step and an idle hand-over from handing over at once; a step that finds it taken leaves its
+    slot queued. Same interface as :class:`WriterThread`; ``throttle`` (tests) sleeps on the thread
+    that hands over.
     """
 
     def __init__(
@@ -429,7 +439,7 @@ class InlineWriter(_HandOver):
         throttle: float = 0.0,
         end: Callable[[], None] | None = None,
         idle_s: float = IDLE_S,
-        idle: str = "timer",
+        idle: str = "engine",
         look_s: float = LOOK_S,
         busy: Callable[[], bool] = lambda: False,
         flush: Callable[[], None] | None = None,
@@ -449,20 +459,52 @@ class InlineWriter(_HandOver):
         self._timer: IdleTimer | None = None
         self.looks = 0  #: the idle thread's wakes so far (each took the GIL)
         self.idle_hand_overs = 0  #: of them, those that found the engine idle and handed something over
+        self._idle_mark = self._last  # ``_last`` at the last engine-idle hand-over
         if idle not in IDLE_MODES:
             raise ValueError(f"idle {idle!r}: expected one of {IDLE_MODES}")
+        if idle_s <= 0:
+            idle = "off"
+        #: how what is held reaches the record process once the engine idles: ``engine``, ``timer``,
+        #: ``look`` or ``off`` (``timer`` falls back to ``look`` where there is no ``timerfd``)
+        self.idle = idle
+        if idle in ("timer", "look"):
+            self._start_idle_thread(idle)
+
+    def _start_idle_thread(self, idle: str) -> None:
         if idle == "timer":
             try:
-                self._timer = IdleTimer() if idle_s > 0 else None
+                self._timer = IdleTimer()
             except OSError:  # not Linux: look instead
                 idle = "look"
-        if idle_s <= 0 or (idle == "look" and look_s <= 0):
+        if idle == "look" and self._look_s <= 0:
             idle = "off"
-        #: how the idle thread waits: ``timer``, ``look`` or ``off`` (``timer`` falls back to ``look``)
         self.idle = idle
         if idle != "off":
             self._idle = threading.Thread(target=self._hand_over_when_idle, name="pagedtrace-idle", daemon=True)
             self._idle.start()
+
+    def fall_back(self) -> None:
+        """No :meth:`engine_idle` will come (the engine's loop runs in another process): start the timer thread."""
+        if self.idle == "engine" and not self._closed.is_set():
+            self._start_idle_thread("timer")
+
+    def engine_idle(self) -> None:
+        """The engine's loop has run out of work: hand over what is queued and held, on the calling thread.
+
+        Steps do not run meanwhile (the caller is the thread that runs them), so the queued slots'
+        events have fired or are about to. Does nothing while graphs are captured, or while a step
+        hands over on another thread (it takes what is queued).
+        """
+        if self._last == self._idle_mark or self._busy() or not self._lock.acquire(blocking=False):
+            return  # no step since the last time, or the device is not to be touched now
+        try:
+            self._idle_mark = self._last
+            self.idle_hand_overs += 1
+            if self._pending:
+                self._finish_all(self._take_all())
+            self._send_held()
+        finally:
+            self._lock.release()
 
     def submit(self, slot: Slot) -> None:
         pending = self._pending

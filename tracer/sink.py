@@ -329,8 +329,12 @@ class TraceSink:
             )
         return self._writer
 
-    def finish(self) -> None:
-        """Close the trace (the record writer process first); mark the manifest finished unless recording failed."""
+    def finish(self, tracer_stats: dict[str, Any] | None = None) -> None:
+        """Close the trace (the record writer process first); mark the manifest finished unless recording failed.
+
+        The finished manifest keeps how the trace was recorded in ``extra["tracer"]``: this sink's
+        ``stats`` and the tracer's ``tracer_stats`` (ring waits, the inline writer's idle mode).
+        """
         if self.records_out is not None:
             host = self.records_out.shared_host
             if host is not None:  # how the steps' copies went: into shared memory, or down the pipe
@@ -347,7 +351,8 @@ class TraceSink:
             )
         self._writer.close()
         if self._run_info is not None and not self.failed:
-            finished = replace(self._run_info, extra={**self._run_info.extra, "finished": True})
+            stats = {**self.stats, **(tracer_stats or {})}
+            finished = replace(self._run_info, extra={**self._run_info.extra, "finished": True, "tracer": stats})
             try:
                 self._writer.write_manifest(finished)
             except OSError as exc:

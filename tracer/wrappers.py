@@ -162,3 +162,28 @@ def forward(tracer: Tracer, original):
         return result
 
     return forward
+
+
+def engine_idle(tracer: Tracer, original):
+    """``EngineCoreProc._notify_idle_state_callbacks``: the busy loop is about to wait for requests."""
+
+    @functools.wraps(original)
+    def _notify_idle_state_callbacks(engine, *args, **kwargs):
+        tracer.engine_idle()
+        return original(engine, *args, **kwargs)
+
+    return _notify_idle_state_callbacks
+
+
+def run_engine(tracer: Tracer, original):
+    """``LLM._run_engine`` (the engine in the caller's process): its steps run here; idle once it returns."""
+
+    @functools.wraps(original)
+    def _run_engine(llm, *args, **kwargs):
+        tracer.engine_loop_here()
+        try:
+            return original(llm, *args, **kwargs)
+        finally:
+            tracer.engine_idle()
+
+    return _run_engine

