@@ -25,7 +25,7 @@ run default --max-tokens 6 --no-tensors --cudagraph-mode FULL_AND_PIECEWISE
 for d in eager piecewise default; do
   [ -f "$OUT/$d/steps.jsonl" ] && python3 - "$OUT/$d" <<'PY'
 import sys, json
-from tracer.store import Trace
+from tracer.format import Trace
 t = Trace.open(sys.argv[1])
 kinds = {}
 for r in t.records: kinds[r.kind] = kinds.get(r.kind, 0) + 1
