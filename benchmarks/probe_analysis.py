@@ -15,7 +15,8 @@ against ``untraced`` with a 95 % bootstrap interval over rounds (the probe's ``p
 4. **blocked**: how often the engine's thread blocked during a pass (``voluntary_ctxt_switches``,
    ``host.vol`` in the probe's round lines): a thread that waits for the GIL another thread holds
    sleeps on it; then the CPU the engine's process (every thread) and the record process took
-   a pass (probes from session 12 on).
+   a pass (probes from session 12 on), and how the held steps went over once the engine idled:
+   the idle mode, the idle thread's looks and the idle hand-overs a pass (``idle_cell``).
 
 Variants that time the engine thread's share (``*-parts``, ``*-acct``) also get a line of its
 pieces, median µs a step over their passes.
@@ -134,7 +135,7 @@ def report_run(run: dict[str, Any], stats: dict[str, Any], args: argparse.Namesp
 
     print(
         f"{'variant':22s} {'all rounds':24s} {'quiet rounds':24s} {'slow steps':>10s} {'adds/pass':>10s} "
-        f"{'blocked':>10s} {'cpu/pass':>9s} {'child':>7s} {'looks':>5s}"
+        f"{'blocked':>10s} {'cpu/pass':>9s} {'child':>7s} {'idle: looks/hand-overs':>22s}"
     )
     for v in variants:
         every = list(range(len(untraced)))
@@ -142,12 +143,12 @@ def report_run(run: dict[str, Any], stats: dict[str, Any], args: argparse.Namesp
         blocked = _host_median(stats.get(v, []), "vol", "{:g}/pass")
         cpu = _host_median(stats.get(v, []), "proc_cpu_ms", "{:g}ms")
         child = _host_median(stats.get(v, []), "child_cpu_ms", "{:g}ms")
-        looks = _host_median(stats.get(v, []), "idle_looks", "{:g}", within=None)
+        looks = idle_cell(stats.get(v, []))
         all_s = "1" if v == "untraced" else interval(v, every)
         quiet_s = "1" if v == "untraced" else interval(v, quiet)
         print(
             f"{v:22s} {all_s:24s} {quiet_s:24s} {share:10.1%} {extra * 1e3:8.1f}ms "
-            f"{blocked:>10s} {cpu:>9s} {child:>7s} {looks:>5s}"
+            f"{blocked:>10s} {cpu:>9s} {child:>7s} {looks:>22s}"
         )
     for v in variants:
         line = pieces_line(stats.get(v, []))
@@ -167,6 +168,22 @@ def _host_median(passes: list[dict[str, Any]], key: str, form: str, within: str 
     if not values or None in values:
         return "-"
     return form.format(statistics.median(values))
+
+
+def idle_cell(passes: list[dict[str, Any]]) -> str:
+    """How the inline writer's held steps went over, a pass: ``[MODE ]LOOKS/HAND_OVERS`` (medians), or "-".
+
+    ``MODE`` is the tracer's ``idle`` (``engine``, ``timer``, ``look``, ``off``; probes from session
+    14 on; ``mixed`` where passes differ), ``LOOKS`` how often its idle thread woke and took the GIL,
+    ``HAND_OVERS`` the idle hand-overs (on the engine's thread with ``engine``).
+    """
+    looks = _host_median(passes, "idle_looks", "{:g}", within=None)
+    if looks == "-":
+        return "-"
+    hand_overs = _host_median(passes, "idle_hand_overs", "{:g}", within=None)
+    modes = {p.get("idle") for p in passes}
+    mode = "" if modes == {None} else f"{modes.pop()} " if len(modes) == 1 else "mixed "
+    return f"{mode}{looks}/{hand_overs}"
 
 
 def pieces_line(passes: list[dict[str, Any]]) -> str:

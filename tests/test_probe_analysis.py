@@ -67,14 +67,38 @@ def test_the_table_gives_each_variants_cpu_and_idle_looks_a_pass(analysis, tmp_p
         "pass_steps": {"untraced": [step] * 2, "metadata": [step] * 2},
         "pass_stats": {
             "untraced": [{"host": {"vol": 4, "proc_cpu_ms": 2000, "child_cpu_ms": 0}}] * 2,
-            "metadata": [{"host": host, "idle_looks": 2}, {"host": host, "idle_looks": 4}],
+            "metadata": [
+                {"host": host, "idle_looks": 2, "idle_hand_overs": 1},
+                {"host": host, "idle_looks": 4, "idle_hand_overs": 3},
+            ],
         },
     }
     path = tmp_path / "run.json"
     path.write_text(json.dumps(run))
     assert analysis.main([str(path)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("metadata "))
-    assert line.split()[-4:] == ["9/pass", "2100ms", "35ms", "3"]  # the looks: the median of 2 and 4
+    assert line.split()[-4:] == ["9/pass", "2100ms", "35ms", "3/2"]  # the medians of the looks and hand-overs
+
+
+def test_the_idle_column_names_the_hand_over_where_the_probe_recorded_it(analysis, tmp_path, capsys):
+    step = [[0.0, 0.005]] * 65
+    host = {"vol": 4, "proc_cpu_ms": 2000, "child_cpu_ms": 30}
+    engine = {"host": host, "idle": "engine", "idle_looks": 0, "idle_hand_overs": 4}
+    run = {
+        "summary": {v: {"all_s": [1.6, 2.0]} for v in ("untraced", "metadata", "metadata-timer")},
+        "pass_steps": {v: [step] * 2 for v in ("untraced", "metadata", "metadata-timer")},
+        "pass_stats": {
+            "untraced": [{"host": host}] * 2,
+            "metadata": [engine, engine],
+            "metadata-timer": [{**engine, "idle": "timer", "idle_hand_overs": 0}, {**engine, "idle": "off"}],
+        },
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert analysis.main([str(path)]) == 0
+    lines = {x.split()[0]: x.split() for x in capsys.readouterr().out.splitlines() if x.startswith("metadata")}
+    assert lines["metadata"][-2:] == ["engine", "0/4"] and lines["metadata-timer"][-2:] == ["mixed", "0/2"]
+    assert lines["metadata"][-3] == "30ms"
 
 
 def test_a_run_without_untraced_passes_is_one_line(analysis, tmp_path, capsys):
