@@ -13,6 +13,7 @@ Two engine starts, each a ``pagedtrace run`` subprocess with the shared session'
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -111,3 +112,59 @@ def test_a_run_killed_at_a_random_point_leaves_a_trace_that_opens(cpu_trace, tmp
         assert Trace.open(out).problems == [] and len(trace.records) + len(trace.gaps) == _lines(cpu_trace / STEPS)
     else:
         assert proc.returncode == -signal.SIGKILL
+
+
+#: A session whose vLLM raises inside attention: the second layer's forward (a layer the tracer
+#: does not record, after the first one was captured) raises on the 4th request step. Prints the
+#: error ``run_session`` raised and the tracer's error as one JSON line.
+PLANTED = """
+import json, sys
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+vllms_forward = CPUAttentionBackendImpl.forward
+calls = {"n": 0}
+
+def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+    if layer.layer_name.startswith("model.layers.1.") and attn_metadata is not None:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("planted: attention failed\\nsecond line")
+    return vllms_forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+CPUAttentionBackendImpl.forward = forward  # before the tracer wraps it: the tracer sees vLLM's error
+from tracer.session import SessionConfig, SessionError, run_session
+
+try:
+    run_session(SessionConfig(trace_dir=sys.argv[1], num_prompts=3, max_tokens=6, block_size=16))
+except SessionError as exc:
+    print("RESULT=" + json.dumps({"error": str(exc), "cause": repr(exc.__cause__)}))
+"""
+
+
+def test_an_error_inside_vllms_step_is_vllms_and_the_trace_says_where(tmp_path):
+    script = tmp_path / "planted.py"
+    script.write_text(PLANTED)
+    out = tmp_path / "trace"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out)], capture_output=True, text=True, env=engine_env(), timeout=900
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT=")]
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(line[-1].removeprefix("RESULT="))
+    assert result["cause"] == "RuntimeError('planted: attention failed\\nsecond line')"  # vLLM's, unchanged
+    assert result["error"] == (
+        f"vLLM failed while generating: RuntimeError: planted: attention failed; "
+        f"the trace in {out} ends with a step-raised gap there"
+    )
+    assert "recording failed" not in proc.stderr  # the tracer did not fail on the half-run step
+    trace = Trace.open(out)  # stopped as usual: finished, every line whole
+    assert trace.run.extra["finished"] is True and not trace.problems
+    requests = trace.steps(kind="request")
+    raised = [g for g in trace.gaps if g.reason.startswith("step-raised")]
+    assert [r.step for r in requests] == [1, 2, 3] and all(r.tensors for r in requests)
+    assert [(g.step, g.kind, g.reason) for g in raised] == [
+        (4, "request", "step-raised: vLLM's execute_model raised RuntimeError: planted: attention failed")
+    ]
+    assert raised[0].num_tokens == 3  # the decode step of the three requests
+    for rec in requests:  # the steps before the error replay as they are
+        assert trace.tensors(rec)["query"].shape[0] == rec.num_actual_tokens

@@ -578,8 +578,13 @@ class Tracer:
         self._ids_made = (given, out)
         return out
 
-    def _end_step(self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict) -> None:
+    def _end_step(
+        self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict, raised: BaseException | None = None
+    ) -> None:
         self.untraced_now = {}  # the fast path holds inside request steps only
+        if raised is not None:
+            self._end_raised_step(method, kind, args, kwargs, raised)
+            return
         try:
             if self._to_bypass and self._fwd_md:
                 self._bypass_untraced()
@@ -592,6 +597,31 @@ class Tracer:
             self._end_pass()
             self._submit_slot()
         except Exception as exc:  # noqa: BLE001
+            self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
+            self._drop_slot()
+
+    def _end_raised_step(self, method: str, kind: str, args: tuple, kwargs: dict, raised: BaseException) -> None:
+        """vLLM's step raised (its error goes on to the caller): a gap says so, in place of the step's records.
+
+        What the step captured before the error is dropped: its layers ran only in part. Some may
+        have written the cache meanwhile, so every layer's write log starts again (its next tensor
+        step stores the blocks it reads whole).
+        """
+        self._drop_slot()
+        self._step_tensors = {}
+        for name in self._log_valid:
+            self._log_valid[name] = False
+        self._logged_now = set()
+        if kind not in ("request", "profile") or not step_in_range(self.step, self.options.steps):
+            return
+        sched = args[0] if args else kwargs.get("scheduler_output")
+        num_tokens = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+        message = (str(raised).strip().splitlines() or [""])[0][:200]
+        reason = f"step-raised: vLLM's {method} raised {type(raised).__name__}" + (f": {message}" if message else "")
+        try:
+            self._record_gap(kind, reason, num_tokens)
+            self._submit_slot()
+        except Exception as exc:  # noqa: BLE001 - vLLM's error is the one the caller must see
             self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
             self._drop_slot()
 

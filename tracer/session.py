@@ -408,7 +408,12 @@ def run_session(
             return _ProgressBar(*args, callback=progress, **kwargs)
 
         token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        outs = llm.generate(token_prompts, params, use_tqdm=bar if progress else False)
+        try:
+            outs = llm.generate(token_prompts, params, use_tqdm=bar if progress else False)
+        except Exception as exc:  # vLLM's own error (the tracer never raises into vLLM)
+            first = (str(exc).strip().splitlines() or [""])[0]
+            kept = f"; the trace in {trace_dir} ends with a step-raised gap there" if t is not None else ""
+            raise SessionError(f"vLLM failed while generating: {type(exc).__name__}: {first}{kept}") from exc
         gen_s = time.perf_counter() - t1
         result = SessionResult(
             config=asdict(cfg),

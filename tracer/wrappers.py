@@ -79,14 +79,18 @@ def runner(tracer: Tracer, method: str):
             tracer._depth += counts_step
             if new_step and effective == "request":
                 tracer.untraced_now = tracer.never_traced  # forward's fast path, for this step
+            raised: BaseException | None = None
             try:
                 return original(runner, *args, **kwargs)
+            except BaseException as exc:
+                raised = exc  # vLLM's own error: it propagates, the step is not recorded
+                raise
             finally:
                 tracer._in_capture -= capture
                 tracer._depth -= counts_step
                 tracer._phase.pop()
                 if new_step:
-                    tracer._end_step(method, effective, runner, args, kwargs)
+                    tracer._end_step(method, effective, runner, args, kwargs, raised)
 
         return wrapper
 
