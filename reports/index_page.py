@@ -56,6 +56,9 @@ GAP_EXPLANATIONS = {
     "finished requests remain to be reported: vllm serve shows one after each request), and the V2 runner's "
     "warm-up ends with such a step to free its fake requests. execute_model updates its request states and "
     "returns before the model runs: no attention ran, nothing to record.",
+    "step-raised": "vLLM itself raised an error in this step (the reason quotes it), and the error went on to "
+    "its caller: the step did not finish, so what the tracer had captured of it was dropped. The engine "
+    "usually stops here; had it gone on, each layer's write log would start again with whole blocks.",
     "cuda-graph-replay": "These steps replayed a captured CUDA graph (cudagraph_mode {mode}): attention ran "
     "inside the graph on the device and the Python forward() that the hook wraps was never called. {advice}",
 }

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from reports.index_page import gap_groups
 from tests.factories import RUN_ARGS, engine_env
 from tracer.format import STEPS, Trace
 
@@ -166,5 +167,7 @@ def test_an_error_inside_vllms_step_is_vllms_and_the_trace_says_where(tmp_path):
         (4, "request", "step-raised: vLLM's execute_model raised RuntimeError: planted: attention failed")
     ]
     assert raised[0].num_tokens == 3  # the decode step of the three requests
+    (group,) = [g for g in gap_groups(trace.gaps, trace.run.cudagraph_mode) if g.reason == raised[0].reason]
+    assert group.steps == "4" and group.explanation.startswith("vLLM itself raised an error in this step")
     for rec in requests:  # the steps before the error replay as they are
         assert trace.tensors(rec)["query"].shape[0] == rec.num_actual_tokens
