@@ -54,6 +54,7 @@ from reference_impl.replay import (
 )
 from tracer.format import SESSION, KVCacheSpec, StepRecord, Trace
 from tracer.format.metadata import check_record, known_tokens
+from tracer.format.rows import QUERY_ROWS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 #: fp64 outputs closer than this (relative to max |output|) count as unchanged: summation order only.
@@ -137,9 +138,17 @@ def window(record: StepRecord, tensors: Tensors, spec: KVCacheSpec, layout: str)
 
 
 def query_zero(record: StepRecord, tensors: Tensors, spec: KVCacheSpec, layout: str):
-    """One query row (the last token of the longest row, every head) zeroed."""
+    """One query row (the last token of the longest row, every head) zeroed.
+
+    With format 4's ``query_rows`` the query holds the kept rows only: the last kept row of the
+    longest row that has one, else the last kept row.
+    """
     r = _longest_row(record)
     t = record.query_start_loc[r + 1] - 1
+    if QUERY_ROWS in tensors:  # row i of the query is token kept[i] of the step
+        kept = tensors[QUERY_ROWS].tolist()
+        mine = [i for i, k in enumerate(kept) if record.query_start_loc[r] <= k <= t]
+        t = mine[-1] if mine else len(kept) - 1
     query = tensors["query"].clone()
     query[t] = 0
     return record, dict(tensors, query=query), spec

@@ -37,3 +37,13 @@ def test_unmodified_fixture_has_no_false_failures():
     s = _sensitivity()
     failed, judged, what = s.false_failures(s._Fixture(EAGER))
     assert (failed, judged) == (0, 8), what
+
+
+def test_a_zeroed_query_row_is_planted_among_the_kept_rows_of_a_query_rows_trace():
+    # format 4 (``--query-rows 8``): the query holds the kept rows only, not the step's every token
+    s = _sensitivity()
+    fx = s._Fixture(ROOT / "tests" / "fixtures" / "h200-qwen2.5-7b-default-rows")
+    targets = fx.targets(2)
+    assert max(r.num_actual_tokens for r in targets) > 8  # a prefill: more tokens than rows kept
+    zero = s.run_mutation(fx, "query_zero", targets)
+    assert zero.status == "caught" and zero.caught == len(targets) and zero.by == ("attention",)
