@@ -131,9 +131,20 @@ def walk_query(
     if inputs.kept is not None:
         if q0 + t not in inputs.kept.rows:
             kept = [r - q0 for r in inputs.kept.rows if q0 <= r < q1]
+            if kept:
+                raise TraceError(
+                    f"step {step}: the trace kept query rows {kept} of request {request!r}, not {t} "
+                    f"(traced with --query-rows): pass --token {kept[-1]}"
+                )
+            qsl = record.query_start_loc
+            others = [
+                record.request_ids[i]
+                for i in range(record.num_reqs)
+                if any(qsl[i] <= r < qsl[i + 1] for r in inputs.kept.rows)
+            ]
             raise TraceError(
-                f"step {step}: the trace kept query rows {kept or 'none'} of request {request!r}, not {t} "
-                "(traced with query_rows)"
+                f"step {step}: no query row of request {request!r} was kept (traced with --query-rows); "
+                f"requests with kept rows in this step: {', '.join(others) or 'none'}"
             )
         row = q_first = inputs.kept.rows.index(q0 + t)
         local = 0

@@ -9,6 +9,7 @@ kept rows as one-token requests.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -206,7 +207,9 @@ def test_walk_a_kept_row_and_refuse_a_dropped_one(kept_trace):
     walk = walk_query(trace, record.step, record.request_ids[b], 0, layer=record.layer, token=t)
     assert walk.max_abs <= walk.tolerance
     dropped = next(x for x in range(qsl[b + 1] - qsl[b]) if qsl[b] + x not in rows)
-    with pytest.raises(TraceError, match="the trace kept query rows"):
+    kept = [r - qsl[b] for r in rows if qsl[b] <= r < qsl[b + 1]]
+    hint = rf"the trace kept query rows {re.escape(str(kept))} of request .* pass --token {kept[-1]}$"
+    with pytest.raises(TraceError, match=hint):
         walk_query(trace, record.step, record.request_ids[b], 0, layer=record.layer, token=dropped)
 
 
