@@ -116,7 +116,7 @@ def print_error(console: Console, message: str) -> None:
 
 def main(argv: Sequence[str] | None = None, console: Console | None = None) -> int:
     """Entry point; returns the process exit code (:data:`EXIT_CODES`), never raises."""
-    from tracer.format import TraceError
+    from tracer.format import TraceError, first_line
 
     console = console or make_console()
     parser = build_parser()
@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     except Exception as exc:  # noqa: BLE001 - the one place a bug becomes an exit code
         if debug:
             _print_traceback(console, exc)
-        first = (str(exc).strip().splitlines() or [""])[0]
+        first = first_line(exc)
         hint = "" if debug else "; rerun with --debug for the traceback"
         print_error(console, f"internal error: {type(exc).__name__}: {first} (a bug in pagedtrace{hint})")
         return EXIT_INTERNAL

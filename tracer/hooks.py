@@ -51,7 +51,7 @@ from typing import Any
 
 from tracer import wrappers
 from tracer.capture import forget_plans, layer_fields, queue_host_copies, step_fields, tensor_clones
-from tracer.format import GapRecord, layer_index, layer_matches, step_in_range
+from tracer.format import GapRecord, first_line, layer_index, layer_matches, step_in_range
 from tracer.manifest import import_attr
 from tracer.options import TracerOptions
 from tracer.pending import LayerCapture, LayerStatic, capture_scales, dtype_name
@@ -616,7 +616,7 @@ class Tracer:
             return
         sched = args[0] if args else kwargs.get("scheduler_output")
         num_tokens = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
-        message = (str(raised).strip().splitlines() or [""])[0][:200]
+        message = first_line(raised, 200)
         reason = f"step-raised: vLLM's {method} raised {type(raised).__name__}" + (f": {message}" if message else "")
         try:
             self._record_gap(kind, reason, num_tokens)

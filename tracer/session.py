@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tracer.format import check_steps, layer_index, parse_layers
+from tracer.format import check_steps, first_line, layer_index, parse_layers
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS
 
 #: Built-in presets: name -> (config file in ``pagedtrace.presets``, defaults).
@@ -395,9 +395,8 @@ def run_session(
         try:
             llm = LLM(**kwargs)
         except Exception as exc:  # vLLM raises many types; the user needs the first line
-            first = (str(exc).strip().splitlines() or [""])[0]
             raise SessionError(
-                f"vLLM could not start an engine for {cfg.model!r}: {type(exc).__name__}: {first}"
+                f"vLLM could not start an engine for {cfg.model!r}: {type(exc).__name__}: {first_line(exc)}"
             ) from exc
         engine_s = time.perf_counter() - t0
         notify("phase", "generate", None)
@@ -411,9 +410,8 @@ def run_session(
         try:
             outs = llm.generate(token_prompts, params, use_tqdm=bar if progress else False)
         except Exception as exc:  # vLLM's own error (the tracer never raises into vLLM)
-            first = (str(exc).strip().splitlines() or [""])[0]
-            kept = f"; the trace in {trace_dir} ends with a step-raised gap there" if t is not None else ""
-            raise SessionError(f"vLLM failed while generating: {type(exc).__name__}: {first}{kept}") from exc
+            kept = f"; the trace in {trace_dir} keeps the steps before it" if t is not None else ""
+            raise SessionError(f"vLLM failed while generating: {type(exc).__name__}: {first_line(exc)}{kept}") from exc
         gen_s = time.perf_counter() - t1
         result = SessionResult(
             config=asdict(cfg),

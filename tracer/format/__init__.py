@@ -18,6 +18,7 @@ torch are imported lazily, only to read or write tensors).
 
 from __future__ import annotations
 
+from tracer.format.errors import first_line
 from tracer.format.jsonfields import finite_or_none
 from tracer.format.kernel_verdicts import CaseResult, WorstValue
 from tracer.format.layouts import LAYOUTS, REGISTRY, STORED_LAYOUTS, Layout, describe_layout, element_offset
@@ -124,6 +125,7 @@ __all__ = [
     "describe_layout",
     "element_offset",
     "finite_or_none",
+    "first_line",
     "layer_index",
     "layer_matches",
     "parse_layer",
