@@ -34,6 +34,7 @@ import torch
 
 from reference_impl.common import add_sinks, cdiv, check_args
 from reference_impl.fast import paged_attention_fast
+from tracer.format import first_line
 
 __all__ = ["HEAD_SIZES", "CompiledKernelError", "load", "paged_attention_compiled"]
 
@@ -331,8 +332,8 @@ def load() -> ModuleType:
                 verbose=False,
             )
         except Exception as exc:  # the build's own error types vary (RuntimeError, OSError, ...)
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            _error = f"cannot build the compiled decode kernel (it needs a C++ compiler and ninja): {first_line}"
+            said = first_line(exc) or type(exc).__name__
+            _error = f"cannot build the compiled decode kernel (it needs a C++ compiler and ninja): {said}"
             raise CompiledKernelError(_error) from exc
         return _module
 

@@ -173,7 +173,7 @@ def _hub_config(name: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001
         raise ValueError(
             f"{name!r} is not a preset ({', '.join(PRESETS)}), a model directory, "
-            f"or a model id the hub answers for: {str(exc).strip().splitlines()[0]}"
+            f"or a model id the hub answers for: {first_line(exc) or type(exc).__name__}"
         ) from None
     return dict(config.to_dict())
 
