@@ -608,10 +608,9 @@ class Tracer:
         step stores the blocks it reads whole).
         """
         self._drop_slot()
-        self._step_tensors = {}
+        self._step_tensors = {}  # the layers' clones, freed now rather than at the next step
         for name in self._log_valid:
             self._log_valid[name] = False
-        self._logged_now = set()
         if kind not in ("request", "profile") or not step_in_range(self.step, self.options.steps):
             return
         sched = args[0] if args else kwargs.get("scheduler_output")
