@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from reference_impl import kernel as _kernel
-from reference_impl.emulation import emulation_of
-from reference_impl.inputs import reference_outputs, step_inputs
+from reference_impl.emulation import emulation_of, interval_midpoints
+from reference_impl.inputs import judge_output, reference_outputs, step_inputs
 from reference_impl.resolve import kv_spec, resolve_layout
-from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, tolerance
+from reference_impl.tolerances import REFERENCE_DTYPE
 from tracer.format import StepRecord, Trace, TraceError
 from tracer.format.walk import BlockLine, KernelLine, PartitionLine, QueryWalk
 
@@ -207,11 +207,12 @@ def walk_query(
         weight = math.exp(part_lse - lse) if math.isfinite(part_lse) else 0.0
         partitions.append(PartitionLine(blocks=(first, last), m=m_p, l=l_p, lse=part_lse, weight=weight))
 
-    # Replay's bar for the step, and vLLM's own output row.
+    # Replay's bar for the walked head (judge_output: its per-head bar, the kernel's rounding read
+    # as replay reads it), and vLLM's own output row, its error read the same way.
     expected, baseline = reference_outputs(inputs)
-    num = inputs.num_tokens
-    bar = tolerance(expected[:num], baseline[:num], k=TOL_K, eps=TOL_EPS)
-    ours, vllm = loop[local, head], tensors["output"][q_first + local, head].to(REFERENCE_DTYPE)
+    bar = judge_output(inputs, tensors["output"], expected, baseline)["per_head_tol"][head]
+    ours, written = loop[local, head], tensors["output"][q_first + local, head]
+    vllm, judged = written.to(REFERENCE_DTYPE), interval_midpoints(written, inputs.emulation).to(REFERENCE_DTYPE)
     return QueryWalk(
         trace=str(trace.path),
         step=record.step,
@@ -234,7 +235,7 @@ def walk_query(
         loop_vs_partitioned=_f((loop[local, head] - parted[local, head]).abs().max()),
         output_norm=_f(ours.norm()),
         vllm_norm=_f(vllm.norm()),
-        max_abs=_f((ours - vllm).abs().max()),
+        max_abs=_f((ours - judged).abs().max()),
         tolerance=bar,
         output_head=tuple(float(x) for x in ours[:8]),
         vllm_head=tuple(float(x) for x in vllm[:8]),

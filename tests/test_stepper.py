@@ -135,3 +135,27 @@ def test_stepper_page_in_headless_chromium(tmp_path):
     for (_, m, l), (m_kernel, l_kernel) in zip(rows, seen, strict=True):
         assert float(m) == m_kernel and float(l) == l_kernel
     assert 'id="verdict" class="ok"' in proc.stdout and "<script" not in proc.stdout
+
+
+@pytest.mark.parametrize("truncating", [False, True])
+def test_the_walk_is_held_to_replays_bar_for_its_head(monkeypatch, truncating):
+    """The walk's bar is the head's bar replay judges the step by, and its error is read as replay reads it."""
+    import reference_impl.stepper as stepper
+    from reference_impl.emulation import CPU_VEC_TOWARD_ZERO, FLASH, interval_midpoints
+    from reference_impl.replay import replay_record
+
+    emulation = CPU_VEC_TOWARD_ZERO if truncating else FLASH  # as if a _C_AVX2 kernel had written it
+    monkeypatch.setattr(stepper, "emulation_of", lambda run: emulation)
+    trace, record, tensors, inputs, row = _captured(4, "2")
+    result, _ = replay_record(record, tensors, kv_spec(trace), resolve_layout(trace, [record]), emulation=emulation)
+    bars = [h.tol for h in result.heads]
+    head = min(range(len(bars)), key=bars.__getitem__)  # below the step's largest bar
+    assert bars[head] < max(bars)
+    walk = walk_query(trace, 4, "2", head)
+    assert walk.tolerance == pytest.approx(bars[head], rel=1e-12)
+    last = record.query_start_loc[row + 1] - 1
+    read = interval_midpoints(tensors["output"][last, head], emulation).double()
+    ours = K.paged_attention_loop(*inputs.args, **inputs.kwargs, compute_dtype=torch.float64)[last, head]
+    assert walk.max_abs == pytest.approx(float((ours - read).abs().max()), rel=1e-9, abs=1e-12)
+    if truncating:  # the read moved the values: the raw error would differ
+        assert not torch.equal(read, tensors["output"][last, head].double())

@@ -85,8 +85,10 @@ class QueryWalk:
     loop_vs_partitioned: float  #: max |loop output - partitioned output| for this head's row
     output_norm: float  #: ||acc / l|| of the reference
     vllm_norm: float  #: ||vLLM's output row||
-    max_abs: float  #: max |vLLM - reference| over the head dimension
-    tolerance: float  #: replay's bar for this row: k * err(same math in bf16) + eps
+    #: max |vLLM - reference| over the head dimension (a truncating CPU kernel's values read at the
+    #: middle of their intervals, as replay reads them)
+    max_abs: float
+    tolerance: float  #: replay's bar for this head of the step: k * err(the kernel's rounding, emulated) + a floor
     output_head: tuple[float, ...]  #: the first values of the reference output row
     vllm_head: tuple[float, ...]  #: the same values of vLLM's output
 
