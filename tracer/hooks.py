@@ -133,6 +133,12 @@ def active() -> Tracer | None:
     return _ACTIVE
 
 
+def _scheduled(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """A runner call's ``scheduler_output`` and its ``total_num_scheduled_tokens`` (0 where it has none)."""
+    sched = args[0] if args else kwargs.get("scheduler_output")
+    return sched, int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+
+
 class Tracer:
     """Installs the hooks in this process and writes one trace directory.
 
@@ -613,8 +619,7 @@ class Tracer:
             self._log_valid[name] = False
         if kind not in ("request", "profile") or not step_in_range(self.step, self.options.steps):
             return
-        sched = args[0] if args else kwargs.get("scheduler_output")
-        num_tokens = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+        _, num_tokens = _scheduled(args, kwargs)
         message = first_line(raised, 200)
         reason = f"step-raised: vLLM's {method} raised {type(raised).__name__}" + (f": {message}" if message else "")
         try:
@@ -682,8 +687,7 @@ class Tracer:
         self._logged_now = set()
 
     def _end_request_step(self, runner: Any, args: tuple, kwargs: dict) -> None:
-        sched = args[0] if args else kwargs.get("scheduler_output")
-        num_tokens = int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
+        sched, num_tokens = _scheduled(args, kwargs)
         if not step_in_range(self.step, self.options.steps):
             self._model_ran = self._model_ran or num_tokens > 0
             return
