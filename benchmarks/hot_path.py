@@ -17,7 +17,7 @@ to the hot path can be measured before it goes to the H200 (``scripts/h200_overh
 measures the real engine).
 
     python benchmarks/hot_path.py [--steps 300] [--rounds 7] [--layers 28] [--ops 24] [--python-us 0]
-        [--writers inline,process]
+        [--writers inline,process] [--device cpu|cuda]
 
 ``--python-us N`` adds N µs of pure Python a layer, the GIL held throughout, as vLLM's own
 Python between launches holds it: a thread of the tracer that wants the GIL then makes the
@@ -59,7 +59,9 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
         scale, num_heads, num_kv_heads, head_size, logits_soft_cap = 0.088, 28, 4, 128, 0
 
     impls = [Impl() for _ in names]
-    cache = torch.zeros(64, 4, 16, 256, dtype=torch.bfloat16)  # (blocks, kv heads, block size, 2 x head size)
+    dev = torch.device(getattr(args, "device", "cpu"))
+    # (blocks, kv heads, block size, 2 x head size)
+    cache = torch.zeros(64, 4, 16, 256, dtype=torch.bfloat16, device=dev)
     layers = [types.SimpleNamespace(layer_name=n) for n in names]
     modules = {n: types.SimpleNamespace(impl=impl, kv_cache=[cache]) for n, impl in zip(names, impls, strict=True)}
     cfg = types.SimpleNamespace(
@@ -72,10 +74,10 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
     width = 4096 // 16  # the runner's block table is as wide as max_model_len allows
     # the runner's persistent buffers; its metadata holds views of the batch's rows, as vLLM's does
     buffers = {
-        "seq_lens": torch.full((512,), args.context, dtype=torch.int32),
-        "query_start_loc": torch.arange(513, dtype=torch.int32),
-        "block_table": torch.randint(1, 60000, (512, width), dtype=torch.int32),
-        "slot_mapping": torch.arange(8192, dtype=torch.int64),
+        "seq_lens": torch.full((512,), args.context, dtype=torch.int32, device=dev),
+        "query_start_loc": torch.arange(513, dtype=torch.int32, device=dev),
+        "block_table": torch.randint(1, 60000, (512, width), dtype=torch.int32, device=dev),
+        "slot_mapping": torch.arange(8192, dtype=torch.int64, device=dev),
     }
     md = types.SimpleNamespace(
         num_actual_tokens=reqs,
@@ -88,7 +90,7 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
         causal=True,
     )
     md_by_layer = dict.fromkeys(names, md)
-    work = [torch.ones(16) for _ in range(4)]
+    work = [torch.ones(16, device=dev) for _ in range(4)]
     sched = types.SimpleNamespace(
         total_num_scheduled_tokens=reqs, num_scheduled_tokens={f"r{i}": 1 for i in range(reqs)}, finished_req_ids=()
     )
@@ -129,6 +131,7 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
     Impl.forward.__pagedtrace_original__ = attention_forward  # type: ignore[attr-defined]  # as Tracer._patch
     exe = wrappers.runner(t, "execute_model")(execute_model)
     t._thread = t._writer_thread()  # as Tracer.start makes it
+    t.engine_loop_here()  # as LLM._run_engine says on the H200: the engine's own thread hands over, deferred
 
     def traced_step() -> None:
         exe(runner, sched)
@@ -165,6 +168,10 @@ def _pass(args: argparse.Namespace, traced: bool, blocked: list[float] | None = 
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
+    if getattr(args, "device", "cpu") != "cpu":
+        import torch
+
+        torch.cuda.synchronize()  # the launches have run, not only been queued
     seconds = (time.perf_counter() - t0) / args.steps
     if blocked is not None:
         blocked.append((_blocked() - b0) / args.steps)
@@ -265,8 +272,12 @@ def _set_writer(kind: str | None) -> None:
     """``PAGEDTRACE_WRITER`` (and, for ``inline@IDLE``, ``PAGEDTRACE_IDLE``) for ``kind``; None: unset both."""
     os.environ.pop("PAGEDTRACE_WRITER", None)
     os.environ.pop("PAGEDTRACE_IDLE", None)
+    os.environ.pop("PAGEDTRACE_DEFER", None)
     if kind is None:
         return
+    kind, nodefer, _ = kind.partition("+nodefer")
+    if nodefer:
+        os.environ["PAGEDTRACE_DEFER"] = "off"
     writer, _, idle = kind.partition("@")
     os.environ["PAGEDTRACE_WRITER"] = writer
     if idle:
@@ -292,7 +303,14 @@ def main() -> None:
         "--writers",
         default="inline,process",
         help="PAGEDTRACE_WRITER settings to time against untraced (inline, the default; process; thread); "
-        "inline@IDLE: inline, its idle thread timer, look or off (PAGEDTRACE_IDLE)",
+        "inline@IDLE: inline, its idle thread timer, look or off (PAGEDTRACE_IDLE); a +nodefer suffix: "
+        "each step its own copy and event (PAGEDTRACE_DEFER=off)",
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the stand-in's tensors live: cpu, or cuda (the tracer's CUDA path: pinned copies, "
+        "the device mirror, events; the step's --ops are kernel launches)",
     )
     args = ap.parse_args()
     from tracer.format import parse_layers

@@ -29,6 +29,10 @@ round so drift cancels. Variants:
                       own thread when vLLM's loop runs out of work, ``engine``);
                       ``metadata-look10``: that thread looking 10 times a second instead (``look``,
                       as before session 12); ``metadata-noidle``: neither (``off``)
+* ``metadata-nodefer`` the default, but each step makes its own copy to the host and records its own
+                      event (``PAGEDTRACE_DEFER=off``, as before session 19; the default packs each
+                      step into the shared ring's device mirror and moves the queued steps in one
+                      copy with one event a hand-over); ``metadata-nodefer-parts`` times its pieces
 * ``metadata-nowriter`` the writer thread does nothing with a slot (records lost): the engine's share alone
 * ``metadata-acct``   the metadata tracer, with the time of every call into it from the engine's
                       thread and of the writer's handling of each slot summed (``tracer_main_ms``,
@@ -95,6 +99,8 @@ KNOWN_VARIANTS = (
     "metadata-timer",
     "metadata-look10",
     "metadata-noidle",
+    "metadata-nodefer",
+    "metadata-nodefer-parts",
     "metadata-nowriter",
     "metadata-acct",
     "metadata-inline-acct",
@@ -275,6 +281,8 @@ def main() -> None:
         # timer the steps push (sessions 12-13); the thread looking 10 times a second (before); neither
         idle = {"metadata-timer": "timer", "metadata-look10": "look", "metadata-noidle": "off"}
         os.environ["PAGEDTRACE_IDLE"] = idle.get(variant, "engine")
+        # each step's own copy and event (before session 19) instead of one a hand-over
+        os.environ["PAGEDTRACE_DEFER"] = "off" if variant.startswith("metadata-nodefer") else "on"
         if variant.endswith("-ring8"):  # the ring size before it became 64 slots
             os.environ["PAGEDTRACE_RING_SLOTS"] = "8"
         kw = {"layers": (0,), "tensors": True, "budget_mb": 8192.0} if variant.startswith("tensors-l0") else {}

@@ -220,7 +220,7 @@ def test_packed_steps_write_what_separate_copies_write(tmp_path, monkeypatch, mo
 
     calls = []
 
-    def separate(slot, md, num_reqs, num_tokens, cols, as_given=False, shared=None, block_size=0):
+    def separate(slot, md, num_reqs, num_tokens, cols, as_given=False, shared=None, block_size=0, defer=False):
         calls.append(num_tokens)  # one copy per tensor, as before
         cols = cols if cols is not None else capture.read_columns(md, block_size)
         key = str(len(slot.payload["hosts"]))

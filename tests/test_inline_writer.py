@@ -414,3 +414,87 @@ def test_an_engine_core_process_that_ends_without_stop_hands_its_held_steps_over
     trace = Trace.open(tmp_path / "trace", strict=False)
     assert trace.problems == [] and [r.step for r in trace.records] == [0, 1, 2]
     assert trace.run.extra["finished"] is True  # stop() ran: the multiprocessing finalizer
+
+
+def test_deferred_steps_are_sealed_every_few_steps_with_one_move_and_one_event(monkeypatch):
+    """Deferred slots (their copies packed into the device mirror) are not handed over before a seal:
+    once ``every`` are queued, one move to the host and one event on the newest, which covers the
+    others; a later step hands them over once that event has fired, in one message."""
+    import tracer.ring as ring
+
+    pool, log, handled, moves, recorded = SlotPool(16), [], [], [], []
+
+    def record(slot, on_cuda, *, blocking=True, stream=None):
+        slot.event, slot.recorded = _Event(log, slot.payload), True
+        recorded.append((slot.payload, stream))
+
+    monkeypatch.setattr(ring, "record_event", record)
+    writer = InlineWriter(
+        pool,
+        lambda slot: handled.append(slot.payload),
+        log.append,
+        idle_s=0,
+        every=3,
+        end=lambda: handled.append("end"),
+        move=lambda: moves.append(len(moves)) or "stream",
+        on_cuda=True,
+    )
+
+    def deferred(i: int) -> Slot:
+        slot = pool.acquire()
+        slot.payload, slot.queued, slot.deferred = i, True, True
+        writer.submit(slot)
+        return slot
+
+    slots = [deferred(i) for i in range(3)]
+    assert moves == [0] and recorded == [(2, "stream")]  # one move and one event for the three
+    assert [s.cover for s in slots] == [slots[2], slots[2], None] and not any(s.deferred for s in slots)
+    assert handled == [] and log == [("query", 2)]  # its copies still run
+    slots[2].event.fired = True
+    deferred(3)
+    assert handled == [0, 1, 2, "end"] and log[-1] == ("query", 2)  # asked once for the three
+    assert moves == [0] and len(recorded) == 1  # step 3 waits for the next seal
+    deferred(4)
+    deferred(5)
+    assert moves == [0, 1] and recorded[-1] == (5, "stream") and handled[-1] == "end"
+    deferred(6)  # 3-5's event has not fired; 6 is not sealed
+    writer.drain()  # seals 6 and waits for both events
+    assert handled == [0, 1, 2, "end", 3, 4, 5, 6, "end"] and moves == [0, 1, 2]
+    assert ("wait", 5) in log and ("wait", 6) in log
+    assert len(pool._free) == 16
+
+
+@pytest.mark.parametrize("defer", ["on", "off"])
+def test_deferred_copies_write_every_step_as_the_pipe_does(tmp_path, monkeypatch, defer):
+    """A CPU stand-in whose copies go through a host 'mirror' (``capture.DEFER_ON_CPU``): every step's
+    values reach the record process, moved every few steps in one copy; with ``PAGEDTRACE_DEFER=off``
+    each step's copy goes straight in. The records are the pipe's, step for step."""
+    from tests.test_hooks import _fake_step_engine
+    from tests.test_shared_host import _new_values
+    from tracer import capture
+
+    monkeypatch.setattr(capture, "DEFER_ON_CPU", True)
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
+    monkeypatch.setenv("PAGEDTRACE_IDLE", "off")
+    lines, flushes = {}, {}
+    for host in ("shared", "pipe"):
+        monkeypatch.setenv("PAGEDTRACE_HOST", host)
+        monkeypatch.setenv("PAGEDTRACE_DEFER", defer)
+        t, runner, sched, md = _fake_step_engine(tmp_path / host)
+        t._test_engine = (t, runner, sched, md)
+        t._sink.start()
+        memory = t._sink.shared_host()
+        _steps(t, 40, before=_new_values)
+        t._thread.close()
+        if memory is not None:
+            flushes[host] = (memory.flushes, memory.taken, t._thread.seals)
+        t._sink.finish()
+        assert t.error is None
+        lines[host] = (tmp_path / host / "trace" / "steps.jsonl").read_text().splitlines()
+    assert len(lines["shared"]) == 40 and lines["shared"] == lines["pipe"]
+    moved, taken, seals = flushes["shared"]
+    assert taken == 40
+    if defer == "on":
+        assert 5 <= moved <= 6 and seals == moved  # every 8 steps, and the last ones at close
+    else:
+        assert moved == 0 and seals == 0

@@ -1,4 +1,4 @@
-"""Host memory shared with the record writer process (``tracer.shared_host``): regions, reuse, fallback."""
+"""Host memory shared with the record writer process (``tracer.shared_host``): the ring, deferred copies, fallback."""
 
 from __future__ import annotations
 
@@ -13,34 +13,77 @@ from tracer import shared_host
 from tracer.shared_host import HEADER_BYTES, SharedHost, finished_counter
 
 
-def test_a_region_is_taken_again_only_after_the_child_has_finished_the_message_that_named_it():
-    host = SharedHost(regions=3, region_bytes=64)
+def test_a_stretch_is_taken_again_only_after_the_child_has_finished_the_message_that_named_it():
+    """First in, first out: consecutive copies lie side by side (64-byte aligned), the ring wraps to
+    its start once the oldest stretch there is free, and never overwrites one the child has not read."""
+    host = SharedHost(ring_bytes=256, max_take=128)
     offsets = []
     for _ in range(3):
-        offset, view = host.take(4, pin=False)
-        assert view.numel() == 4 and view.dtype == torch.int32
+        offset, view, mirror = host.take(4, pin=False)
+        assert view.numel() == 4 and view.dtype == torch.int32 and mirror is None
         offsets.append(offset)
     assert offsets == [HEADER_BYTES, HEADER_BYTES + 64, HEADER_BYTES + 128]
-    assert host.take(4, pin=False) is None  # every region in flight, none sent yet
-    for message, offset in enumerate(offsets, start=1):
+    assert host.take(5, pin=False)[0] == HEADER_BYTES + 192  # 20 bytes take 64: the ring's last
+    assert host.take(4, pin=False) is None  # the ring is full, nothing sent yet
+    for message, offset in enumerate([*offsets, HEADER_BYTES + 192], start=1):
         host.sent(offset, message)
-    assert host.take(4, pin=False) is None  # sent in messages 1-3, none finished by the child
+    assert host.take(4, pin=False) is None  # sent in messages 1-4, none finished by the child
     counter = finished_counter(host._map)
+    counter.value = 1
+    assert host.take(4, pin=False) is None  # only the first 64 bytes are free: a stretch never fills the gap up
     counter.value = 2
-    assert host.take(4, pin=False)[0] == offsets[1]  # 1 and 2 are free: the one freed last first
-    assert host.take(4, pin=False)[0] == offsets[0]
-    assert host.take(4, pin=False) is None  # region 2: message 3 is not finished
+    assert host.take(4, pin=False)[0] == HEADER_BYTES  # wrapped: the ring's start is free again
+    assert host.take(4, pin=False) is None  # the next 64 bytes: message 3 is not finished
     counter.value = 3
-    assert host.take(17, pin=False) is None  # 68 bytes do not fit a 64-byte region, whatever its state
-    assert host.take(4, pin=False)[0] == offsets[2]
-    assert (host.taken, host.declined) == (6, 4)
+    assert host.take(33, pin=False) is None  # 132 bytes are more than a copy may take, whatever the ring's state
+    assert host.take(4, pin=False)[0] == HEADER_BYTES + 64
+    assert (host.taken, host.declined) == (6, 5)
     host.close()
     assert host.take(4, pin=False) is None  # closed: nothing is taken
 
 
+def test_a_forgotten_stretch_does_not_hold_the_ring_up():
+    """A dropped step's stretch (never sent) is freed in its turn, as a finished one is."""
+    host = SharedHost(ring_bytes=256, max_take=128)
+    first = host.take(32, pin=False)[0]  # bytes 0-128
+    second, third = host.take(4, pin=False)[0], host.take(4, pin=False)[0]  # 128-192, 192-256
+    host.sent(second, 1)
+    host.sent(third, 2)
+    assert host.take(4, pin=False) is None  # the first, never sent, holds the ring's start
+    host.forget(first)
+    assert host.take(4, pin=False)[0] == HEADER_BYTES  # wrapped into what it held
+    host.close()
+
+
+def test_deferred_copies_reach_the_host_only_when_flushed_in_one_copy():
+    """``device``: the copy is packed into the mirror; the host holds it after ``flush``, one copy for
+    the stretches side by side. A wrap moves what lies at the ring's end first."""
+    host = SharedHost(ring_bytes=256, max_take=128)
+    device = torch.device("cpu")  # the mirror's device (CUDA in the engine; here host memory)
+    taken = []
+    for i in range(3):
+        offset, view, mirror = host.take(3, pin=False, device=device)
+        torch.cat([torch.tensor([i, i + 1], dtype=torch.int32), torch.tensor([-i], dtype=torch.int32)], out=mirror)
+        taken.append((offset, view))
+    assert all(view.tolist() == [0, 0, 0] for _, view in taken) and host.unflushed
+    assert host.flush() and not host.unflushed and not host.flush()
+    assert [view.tolist() for _, view in taken] == [[i, i + 1, -i] for i in range(3)]
+    assert host.flushes == 1
+    for message, (offset, _) in enumerate(taken, start=1):
+        host.sent(offset, message)
+    host.take(3, pin=False, device=device)[2].fill_(7)  # the last 64 bytes: dirty again
+    finished_counter(host._map).value = 3
+    offset, view, mirror = host.take(3, pin=False, device=device)  # wraps: the end is flushed first
+    assert offset == HEADER_BYTES and host.flushes == 2
+    assert host._view("h", 192, 3).tolist() == [7, 7, 7]
+    mirror.fill_(9)
+    assert view.tolist() != [9, 9, 9] and host.flush() and view.tolist() == [9, 9, 9]
+    host.close()
+
+
 def test_the_child_reads_what_a_copy_put_in_a_region():
-    host = SharedHost(regions=2, region_bytes=64)
-    offset, view = host.take(3, pin=False)
+    host = SharedHost(ring_bytes=128, max_take=64)
+    offset, view, _ = host.take(3, pin=False)
     view.copy_(torch.tensor([7, -8, 2**31 - 1], dtype=torch.int32))
     code = (
         "import mmap, struct, sys; m = mmap.mmap(int(sys.argv[1]), int(sys.argv[2])); "
@@ -61,14 +104,14 @@ def _new_values(i: int, md) -> None:
 
 @pytest.mark.parametrize("mode", ["inline", "process"])
 def test_steps_through_two_regions_write_every_step_as_the_pipe_does(tmp_path, monkeypatch, mode):
-    """Two regions for 40 steps: most steps find none free (the pipe holds messages back, the child
-    is behind) and send their bytes; those that take one are not overwritten before the child reads
-    them. The records are the pipe's, step for step."""
+    """Room for two steps' copies for 40 steps: most steps find none (the pipe holds messages back,
+    the child is behind) and send their bytes; those that take a stretch are not overwritten before
+    the child reads them. The records are the pipe's, step for step."""
     from tests.test_hooks import _fake_step_engine
     from tests.test_writer_process import _steps
 
     monkeypatch.setenv("PAGEDTRACE_WRITER", mode)
-    monkeypatch.setattr(shared_host, "REGIONS", 2)
+    monkeypatch.setattr(shared_host, "RING_BYTES", 448)  # two steps' copies (192 bytes each)
     lines, used = {}, {}
     for host in ("shared", "pipe"):
         monkeypatch.setenv("PAGEDTRACE_HOST", host)
@@ -110,7 +153,7 @@ def test_memory_that_cannot_be_page_locked_is_not_used_and_the_failure_is_cleare
 
     monkeypatch.setattr(torch.cuda, "cudart", Runtime)
     monkeypatch.setattr(shared_host, "_clear_last_cuda_error", lambda torch: calls.append("cleared"))
-    host = SharedHost(regions=2, region_bytes=64)
+    host = SharedHost(ring_bytes=128, max_take=64)
     assert host.take(4, pin=True) is None
     assert calls == [("register", host.size), "cleared"] and host.disabled
     assert host.take(4, pin=True) is None and host.take(4, pin=False) is None  # tried once only
@@ -120,12 +163,12 @@ def test_memory_that_cannot_be_page_locked_is_not_used_and_the_failure_is_cleare
 
 def test_the_tracer_says_how_its_steps_copies_went(tmp_path, monkeypatch):
     """The sink's stats (``Tracer.stats`` after ``stop``): copies into shared memory and down the pipe
-    (two regions for 40 steps: both kinds)."""
+    (room for two steps' copies for 40 steps: both kinds)."""
     from tests.test_hooks import _fake_step_engine
     from tests.test_writer_process import _steps
 
     monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
-    monkeypatch.setattr(shared_host, "REGIONS", 2)
+    monkeypatch.setattr(shared_host, "RING_BYTES", 448)  # two steps' copies (192 bytes each)
     t, runner, sched, md = _fake_step_engine(tmp_path)
     t._test_engine = (t, runner, sched, md)
     t._sink.start()

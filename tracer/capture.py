@@ -49,6 +49,11 @@ __all__ = [
 #: ids: 256 KiB of int32 at most, a few µs of the copy engine's time.
 AS_GIVEN_MAX = 64 * 1024
 
+#: Deferred copies on a CPU engine too (tests: the mirror is then host memory, moved by a plain
+#: copy, so that a CPU run can show every deferred step reaches the record process). On CPU a
+#: step's copy is otherwise packed straight into the shared memory (nothing to defer).
+DEFER_ON_CPU = False
+
 
 @dataclass
 class Packed:
@@ -95,6 +100,7 @@ def queue_host_copies(
     as_given: bool = False,
     shared: SharedHost | None = None,
     block_size: int = 0,
+    defer: bool = False,
 ) -> dict[str, Any]:
     """Copies of the step's metadata tensors into ``slot`` (non-blocking on CUDA); the host views they fill.
 
@@ -118,7 +124,14 @@ def queue_host_copies(
         cols = read_columns(md, block_size)
     parts, trim = metadata_parts(md, num_reqs, num_tokens, cols or 0, as_given=as_given, checked=True)
     host = pack_host_copies(
-        slot, key, parts, pin=md.block_table.is_cuda, trim=trim, cols=cols if trim else None, shared=shared
+        slot,
+        key,
+        parts,
+        pin=md.block_table.is_cuda,
+        trim=trim,
+        cols=cols if trim else None,
+        shared=shared,
+        defer=defer,
     )
     if host is not None:
         return host
@@ -176,6 +189,7 @@ def pack_host_copies(
     trim: dict[str, int] | None = None,
     cols: int | None = None,
     shared: SharedHost | None = None,
+    defer: bool = False,
 ) -> dict[str, Any] | None:
     """Queue ``parts`` (int32 / int64 tensors of one device) into ``slot`` with one copy.
 
@@ -194,21 +208,33 @@ def pack_host_copies(
     microseconds; the record writer process gets the buffer itself (``PackedViews.packed``).
     ``trim``: part -> how many leading rows the views keep (``metadata_parts``' ``as_given``);
     ``cols``: then, the block-table columns the step reads (``Packed.cols``). ``shared``: the host
-    buffer is a region of the record process's memory when one is free (``Packed.shared``).
+    buffer is a stretch of the record process's memory when there is room (``Packed.shared``);
+    ``defer`` (CUDA): packed into that memory's device mirror, the one device call of the step,
+    and moved to the host with other steps' later (``SharedHost.flush``; ``slot.deferred`` says so).
     None, with nothing queued, when a part is neither int32 nor int64. The flattening is kept
     for the next step whose parts are the same memory (:data:`_PLANS`): then the step costs the
-    engine's thread two tensor operations, the ``cat`` and the copy.
+    engine's thread two tensor operations, the ``cat`` and the copy, or the ``cat`` alone
+    (deferred, or on the host).
     """
     plan = _plan_of(parts)
     if plan is None:
         return None
-    region = shared.take(plan.total, pin=pin) if shared is not None else None
+    region = None
+    if shared is not None:
+        region = shared.take(plan.total, pin=pin, device=plan.device if defer and (pin or DEFER_ON_CPU) else None)
     if region is None:
         offset = None
         host = slot.host_prefix(name, plan.total, plan.int32, pin=pin, sources=parts.values())
+        host.copy_(plan.cat(plan.flat), non_blocking=pin)
     else:
-        offset, host = region
-    host.copy_(plan.cat(plan.flat), non_blocking=pin)
+        offset, host, mirror = region
+        if mirror is not None:  # packed into the ring's device mirror; moved to the host later (flush)
+            plan.cat(plan.flat, out=mirror)
+            slot.deferred = True
+        elif pin:
+            host.copy_(plan.cat(plan.flat), non_blocking=True)
+        else:  # on the host already: packed where the child reads
+            plan.cat(plan.flat, out=host)
     views = PackedViews()
     views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {}, cols, offset, plan.memo)
     slot.view_makers.append(functools.partial(_fill_views, views))
@@ -226,6 +252,7 @@ class _Plan:
     total: int
     cat: Any  #: ``torch.cat``
     int32: Any
+    device: Any  #: the parts' device
     memo: dict[Any, Any] = field(default_factory=dict)  #: ``Packed.memo`` of the copies made by this plan
 
 
@@ -265,7 +292,7 @@ def _plan_of(parts: dict[str, Any]) -> _Plan | None:
         flat.append(src)
     widths = tuple(f.shape[0] for f in flat)
     like = {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()}
-    plan = _Plan(flat, tuple(order), widths, like, sum(widths), torch.cat, int32)
+    plan = _Plan(flat, tuple(order), widths, like, sum(widths), torch.cat, int32, flat[0].device)
     if all(f.data_ptr() == parts[k].data_ptr() for k, f in zip(order, flat, strict=True)):
         # views, not copies (a non-contiguous part's flat copy holds this step's values only)
         if len(_PLANS) >= _PLANS_MAX:

@@ -60,6 +60,7 @@ from tracer.ring import (
     Slot,
     SlotPool,
     WriterThread,
+    defer_copies,
     event_blocking,
     events_on_writer,
     idle_mode,
@@ -177,6 +178,9 @@ class Tracer:
         #: vLLM's loop runs in this process and says when it idles (``ENGINE_IDLE_TARGETS``)
         self._engine_loop = False
         self._idle_decided = False  # the first request step has asked whether it does
+        #: metadata copies go into the shared ring's device mirror, moved to the host every few
+        #: steps (``tracer.shared_host``; ``PAGEDTRACE_DEFER``): set with the inline writer
+        self._defer = False
         self._ring_slots = ring_slots
         self._throttle = throttle
         self._thread: WriterThread | InlineWriter | None = None
@@ -254,6 +258,8 @@ class Tracer:
         args = (self._pool, self._sink.handle_slot, self._on_writer_error)
         if self._sink.inline:
             busy = lambda: self._in_capture > 0 or capturing()  # noqa: E731 - the idle thread's question
+            # Deferred copies only where every hand-over runs on the engine's thread (no idle thread)
+            self._defer = defer_copies() and self._idle_mode in ("engine", "off")
             return InlineWriter(
                 *args,
                 throttle=self._throttle,
@@ -261,8 +267,20 @@ class Tracer:
                 busy=busy,
                 flush=self._sink.flush_records,
                 idle=self._idle_mode,
+                move=self._move_deferred,
+                on_cuda=cuda_available(),
+                blocking=self._blocking_events,
             )
         return WriterThread(*args, throttle=self._throttle, end=self._sink.send_records, blocking=self._blocking_events)
+
+    def _move_deferred(self) -> Any:
+        """The inline writer's seal: the deferred copies to the host (``SharedHost.flush``); their stream."""
+        out = self._sink.records_out
+        host = out.shared_host if out is not None else None
+        if host is None:
+            return None
+        host.flush()
+        return host.stream
 
     def stop(self) -> None:
         """Write what is in flight, unpatch, close the trace. Safe to call twice."""
@@ -283,6 +301,7 @@ class Tracer:
                             "idle": self._thread.idle,
                             "idle_looks": self._thread.looks,
                             "idle_hand_overs": self._thread.idle_hand_overs,
+                            "deferred_seals": self._thread.seals,  # one copy and one event each
                         }
                     self._thread = None
                 looks["ring_waits"] = self._pool.waits
@@ -544,6 +563,7 @@ class Tracer:
                 as_given=not self.options.tensors,
                 shared=self._sink.shared_host(),
                 block_size=static.block_size,
+                defer=self._defer,
             )
             shared = hosts[id(md)] = (host, step_fields(md, num_tokens, cudagraph, padded))
         host, metadata = shared
@@ -634,6 +654,7 @@ class Tracer:
         self._idle_decided = True
         writer = self._thread
         if isinstance(writer, InlineWriter) and writer.idle == "engine" and not self._engine_loop:
+            self._defer = False  # the timer thread will hand over: no deferred copies from now on
             writer.fall_back()
 
     def engine_loop_here(self) -> None:
@@ -797,14 +818,25 @@ class Tracer:
                     self._event_stream = (torch._C._cuda_getCurrentRawStream, torch.cuda.current_device())
                 current_stream, device = self._event_stream
                 leave_event(slot, current_stream(device), device)
-            else:
+            elif slot.deferred and not self._defer:  # deferring stopped after its copy: move it now
+                stream = self._move_deferred()
+                slot.deferred = False
+                record_event(slot, cuda_available(), blocking=self._blocking_events, stream=stream)
+            elif not slot.deferred:  # a deferred slot's event comes with its seal (InlineWriter.seal)
                 record_event(slot, cuda_available(), blocking=self._blocking_events)
         self._thread.submit(slot)
 
     def _drop_slot(self) -> None:
         slot, self._slot = self._slot, None
-        if slot is not None:
-            self._pool.release(slot)
+        if slot is None:
+            return
+        host = self._sink.shared_host()
+        if host is not None and slot.payload is not None:  # its stretches of the shared ring are freed in turn
+            for views in slot.payload["hosts"].values():
+                offset = getattr(getattr(views[0], "packed", None), "shared", None)
+                if offset is not None:
+                    host.forget(offset)
+        self._pool.release(slot)
 
     def _step_slot(self) -> Slot:
         """This step's ring slot, taken on its first record (waits while every slot is in flight)."""

@@ -29,6 +29,7 @@ from typing import Any
 from tracer.options import env_choice
 
 __all__ = [
+    "ENV_DEFER",
     "ENV_EVENT_ON",
     "ENV_EVENT_WAIT",
     "ENV_IDLE",
@@ -37,6 +38,7 @@ __all__ = [
     "Slot",
     "SlotPool",
     "WriterThread",
+    "defer_copies",
     "event_blocking",
     "events_on_writer",
     "idle_mode",
@@ -61,6 +63,13 @@ class Slot:
     #: the step hands it to the writer (``tracer.hooks``); a slot of gaps alone queues none
     queued: bool = False
     recorded: bool = False  #: the event was recorded for this use of the slot (gaps alone record none)
+    #: the step's metadata went into the shared memory's device mirror, not yet moved to the host
+    #: (``tracer.shared_host``): no event of its own until the writer seals the queued steps
+    #: (:meth:`InlineWriter.seal`)
+    deferred: bool = False
+    #: sealed with later steps: the slot whose event, recorded after the one copy that moved them
+    #: all, says this one's copies have landed (handed over no later than it: FIFO)
+    cover: Slot | None = None
     #: ``PAGEDTRACE_EVENT_ON=writer``: the raw CUDA stream (and its device) the step's copies were
     #: queued on, for the writer thread to record the event on; 0: nothing left to record
     stream: int = 0
@@ -105,6 +114,13 @@ class Slot:
                 self._prefixes.clear()
             view = self._prefixes[key] = buf[:n]
         return view
+
+    def landed_event(self) -> Any:
+        """The event that fires once this slot's copies have landed: its own, its cover's, or None (none queued)."""
+        if self.recorded:
+            return self.event
+        cover = self.cover
+        return cover.event if cover is not None and cover.recorded else None
 
     def make_views(self) -> None:
         """Fill the host views the step left to the writer thread (packed copies: ``tracer.capture``)."""
@@ -174,7 +190,8 @@ class SlotPool:
     def release(self, slot: Slot) -> None:
         """Free ``slot``. Without device bytes and nobody waiting, no lock: ``list.append`` is atomic."""
         slot.payload = None
-        slot.queued = slot.recorded = False
+        slot.queued = slot.recorded = slot.deferred = False
+        slot.cover = None
         slot.stream = 0
         if slot.view_makers:
             slot.view_makers.clear()
@@ -206,6 +223,20 @@ def event_blocking() -> bool:
 ENV_EVENT_ON = "PAGEDTRACE_EVENT_ON"
 
 
+#: Whether a metadata step's copy is deferred (``PAGEDTRACE_DEFER``): ``on`` (the default), packed
+#: into the shared ring's device mirror and moved to the host with the other queued steps' when
+#: the inline writer hands them over, one copy and one event every :data:`HAND_OVER_EVERY` steps
+#: (``tracer.shared_host``); ``off``: each step's own copy and event, as before session 19. Only
+#: with the inline writer and the engine's own thread handing over (``PAGEDTRACE_IDLE`` ``engine``
+#: or ``off``), on CUDA.
+ENV_DEFER = "PAGEDTRACE_DEFER"
+
+
+def defer_copies() -> bool:
+    """``PAGEDTRACE_DEFER``: ``on`` (unset) or ``off``; anything else is a one-line ``ValueError``."""
+    return env_choice(ENV_DEFER, ("on", "off")) == "on"
+
+
 def events_on_writer() -> bool:
     """Whether the writer thread records the steps' events (``PAGEDTRACE_EVENT_ON``, default ``engine``)."""
     return env_choice(ENV_EVENT_ON, ("engine", "writer")) == "writer"
@@ -221,11 +252,12 @@ def leave_event(slot: Slot, stream: int, device: int) -> None:
     slot.stream, slot.device = stream, device
 
 
-def record_event(slot: Slot, on_cuda: bool, *, blocking: bool = True) -> None:
-    """Record the slot's event on the current stream, after everything queued for the step.
+def record_event(slot: Slot, on_cuda: bool, *, blocking: bool = True, stream: Any = None) -> None:
+    """Record the slot's event on ``stream`` (None: the current one), after everything queued for the step.
 
     Once per step, where the slot is handed to the writer (``tracer.hooks``), not once per
     captured layer: a record cost the engine's thread up to ~0.1 ms under vLLM on the H200.
+    Deferred steps record one for several (:meth:`InlineWriter.seal`).
     """
     if not on_cuda:
         slot.event = None
@@ -234,7 +266,7 @@ def record_event(slot: Slot, on_cuda: bool, *, blocking: bool = True) -> None:
 
     if slot.event is None:
         slot.event = torch.cuda.Event(blocking=blocking)
-    slot.event.record()
+    slot.event.record(stream)
     slot.recorded = True
 
 
@@ -270,8 +302,9 @@ class _HandOver:
 
     def _hand_over(self, slot: Slot, fired: bool) -> None:
         self._before_wait(slot)
-        if not fired and slot.event is not None and slot.recorded:
-            slot.event.synchronize()
+        event = None if fired else slot.landed_event()
+        if event is not None:
+            event.synchronize()
         self._handle(slot)
         if self._end is not None:
             self._end()
@@ -286,8 +319,9 @@ class _HandOver:
 
     def _hand_over_all(self, slots: list[Slot], fired: bool) -> None:
         for slot in slots:
-            if not fired and slot.event is not None and slot.recorded:
-                slot.event.synchronize()
+            event = None if fired else slot.landed_event()
+            if event is not None:
+                event.synchronize()
             self._handle(slot)
         if self._end is not None:
             self._end()
@@ -444,9 +478,19 @@ class InlineWriter(_HandOver):
         busy: Callable[[], bool] = lambda: False,
         flush: Callable[[], None] | None = None,
         every: int = HAND_OVER_EVERY,
+        move: Callable[[], Any] | None = None,
+        on_cuda: bool = False,
+        blocking: bool = True,
     ):
         super().__init__(pool, handle, on_error, throttle=throttle, end=end)
         self.every = max(1, every)  #: steps queued before a hand-over (:data:`HAND_OVER_EVERY`)
+        #: moves the deferred steps' copies to the host (``SharedHost.flush``) and says on which
+        #: stream (None: the current one), for :meth:`seal`
+        self._move = move
+        self._on_cuda = on_cuda  #: events are CUDA events (else copies are done when queued)
+        self._blocking = blocking  #: the events :meth:`seal` makes block their waiter
+        self._unsealed = 0  #: queued deferred slots not yet sealed
+        self.seals = 0  #: how often :meth:`seal` recorded an event for deferred steps
         self._flush = flush  #: sends what ``end`` held back (the record process's batched writes)
         self._pending: deque[Slot] = deque()  # append / popleft are atomic: no lock to queue a slot
         self._lock = threading.Lock()  # held while slots are handed over
@@ -484,9 +528,37 @@ class InlineWriter(_HandOver):
             self._idle.start()
 
     def fall_back(self) -> None:
-        """No :meth:`engine_idle` will come (the engine's loop runs in another process): start the timer thread."""
+        """No :meth:`engine_idle` will come (the engine's loop runs in another process): start the timer thread.
+
+        The timer thread hands over on a thread of its own: the steps deferred so far are sealed
+        first (the caller stops deferring: ``tracer.hooks``), so that it never moves copies.
+        """
         if self.idle == "engine" and not self._closed.is_set():
+            with self._lock:
+                self.seal()
             self._start_idle_thread("timer")
+
+    def seal(self) -> None:
+        """The queued deferred steps' copies go to the host in one copy, with one event after it.
+
+        Called with the lock held before any hand-over (the caller's thread queued the packs, or
+        the engine is idle). The newest deferred slot records the event; the older ones are
+        covered by it (``Slot.cover``): their copies are done once it has fired.
+        """
+        if not self._unsealed:
+            return
+        self._unsealed = 0
+        stream = self._move() if self._move is not None else None
+        pending = [slot for slot in self._pending if slot.deferred]
+        if not pending:
+            return
+        newest = pending[-1]
+        record_event(newest, self._on_cuda, blocking=self._blocking, stream=stream)
+        for slot in pending:
+            slot.deferred = False
+            if slot is not newest:
+                slot.cover = newest
+        self.seals += 1
 
     def engine_idle(self) -> None:
         """The engine's loop has run out of work: hand over what is queued and held, on the calling thread.
@@ -507,8 +579,15 @@ class InlineWriter(_HandOver):
             self._lock.release()
 
     def submit(self, slot: Slot) -> None:
+        """Queue the step's slot; hand over the oldest queued ones whose copies have landed, ``every`` steps.
+
+        Deferred slots (``Slot.deferred``) are sealed once ``every`` of them are queued: one copy
+        and one event for them all, handed over by a later step once that event has fired.
+        """
         pending = self._pending
         pending.append(slot)
+        if slot.deferred:
+            self._unsealed += 1
         self._last = time.monotonic()
         if self._timer is not None:
             self._timer.arm(self._idle_s)  # the idle thread wakes only if no step follows in time
@@ -517,11 +596,19 @@ class InlineWriter(_HandOver):
         if not self._lock.acquire(blocking=False):
             return  # the idle thread is handing over: a later step (or it) takes this one
         try:
+            if self._unsealed >= self.every:
+                self.seal()
             fired = []
+            landed = None  # the last event seen to have fired (sealed slots share one)
             while pending:
                 first = pending[0]
-                if first.recorded and first.event is not None and not first.event.query():
-                    break  # its copies are still running: a later step hands it over
+                if first.deferred:
+                    break  # not sealed yet: its copies have not been queued to the host
+                event = first.landed_event()
+                if event is not None and event is not landed:
+                    if not event.query():
+                        break  # its copies are still running: a later step hands it over
+                    landed = event
                 fired.append(pending.popleft())
             if fired:
                 self._finish_all(fired, fired=True)
@@ -536,6 +623,8 @@ class InlineWriter(_HandOver):
                 self._finish_all(self._take_all())
 
     def _take_all(self) -> list[Slot]:
+        """Every queued slot, oldest first, the deferred ones sealed (the lock is held)."""
+        self.seal()
         pending = self._pending
         return [pending.popleft() for _ in range(len(pending))]
 
