@@ -43,20 +43,20 @@ def main() -> None:
     for step in range(args.steps):
         a @ a  # keep the device busy: a pack or copy run out of order would show
         for i, p in enumerate(parts):
-            p.fill_(step * 10 + i)
+            p.fill_(1000 + step * 10 + i)
         taken = host.take(sum(p.numel() for p in parts), pin=True, device=dev)
         assert taken is not None and taken[2] is not None, "no deferred stretch"
         offset, view, mirror = taken
         torch.cat(parts, out=mirror)
         batch.append((step, offset, view))
         if len(batch) == args.every or step == args.steps - 1:
-            early += sum(int(v[0].item() == s * 10) for s, _, v in batch[:-1])  # host before the flush: stale
+            early += sum(int(v[0].item() == 1000 + s * 10) for s, _, v in batch[:-1])  # host before the flush: stale
             host.flush()
             event.record(host.stream)
             event.synchronize()
             for s, _, v in batch:
                 got = v.tolist()
-                wrong += got[:33] != [s * 10] * 33 or got[33:] != [s * 10 + 1] * 2000
+                wrong += got[:33] != [1000 + s * 10] * 33 or got[33:] != [1000 + s * 10 + 1] * 2000
             message += 1
             for _, off, _ in batch:
                 host.sent(off, message)
