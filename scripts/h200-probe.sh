@@ -22,7 +22,7 @@ echo "nproc: $(nproc)" >> "$OUT/gpu.txt"
 timeout "${T:-575}" python3 scripts/h200_overhead_probe.py --mode PIECEWISE --rounds 400 --until "${U:-455}" --no-profile \
   --variants "${V:-untraced,metadata,metadata-pipe}" \
   --clocks "$OUT/clocks.txt" --json "$OUT/probe.json" 2>&1 \
-  | grep -v "^\(INFO\|WARNING\|\[\|(EngineCore\)" | grep -v "Capturing CUDA graphs" > "$OUT/probe.txt"
+  | grep --line-buffered -v "^\(INFO\|WARNING\|\[\|(EngineCore\)" | grep --line-buffered -v "Capturing CUDA graphs" > "$OUT/probe.txt"
 echo "probe rc ${PIPESTATUS[0]}"
 grep -v "^round " "$OUT/probe.txt" | tail -40
 [ -f "$OUT/clocks.txt" ] && xz -9 -f "$OUT/clocks.txt"

@@ -222,7 +222,9 @@ class SharedHost:
         start, end = dirty
         ints = (end - start) // 4
         host, mirror = self._view("h", start, ints), self._view("d", start, ints)
-        with torch.cuda.stream(self._stream):
+        # The steps run in inference mode (vLLM's worker), so the memory's tensors are inference
+        # tensors; the engine's idle call and ``stop`` move what is left from outside it.
+        with torch.inference_mode(), torch.cuda.stream(self._stream):
             host.copy_(mirror, non_blocking=True)
         self.flushes += 1
         return True
