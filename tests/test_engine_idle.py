@@ -9,6 +9,7 @@ back to its timer thread at the first request step.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -20,6 +21,7 @@ from tests.factories import engine_env, run_engine
 from tests.test_inline_writer import _step
 from tests.test_writer_process import _engine, _steps
 from tracer.format import Trace
+from tracer.format.metadata import check_records
 from tracer.ring import InlineWriter, SlotPool
 
 
@@ -170,9 +172,18 @@ print("RESULT=" + json.dumps({"after": after, "stats": t.stats}))
 
 
 @pytest.mark.engine
-def test_a_real_engine_hands_over_its_held_steps_when_generate_returns(tmp_path):
+@pytest.mark.parametrize("deferred", [False, True], ids=["direct", "deferred"])
+def test_a_real_engine_hands_over_its_held_steps_when_generate_returns(tmp_path, deferred):
+    """``deferred``: the copies go through a mirror as on CUDA (``capture.DEFER_ON_CPU``): each step packs
+    into it inside vLLM's inference mode, and the engine's idle call, outside it, moves them to the
+    host with the seal of the steps it hands over. Every record is the step's own."""
     script = tmp_path / "in_process.py"
-    script.write_text(IN_PROCESS)
+    code = IN_PROCESS
+    if deferred:
+        code = code.replace(
+            "import tracer\n", "import tracer\nfrom tracer import capture\ncapture.DEFER_ON_CPU = True\n", 1
+        )
+    script.write_text(code)
     proc = run_engine([str(script), str(tmp_path / "trace")], env=engine_env(PAGEDTRACE_WRITER="inline"))
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT=")][-1]
     result = json.loads(line.removeprefix("RESULT="))
@@ -181,11 +192,17 @@ def test_a_real_engine_hands_over_its_held_steps_when_generate_returns(tmp_path)
     assert [a["pending"] for a in after] == [0, 0] and [a["hand_overs"] for a in after] == [1, 2]
     assert {a["idle"] for a in after} == {"engine"} and [a["idle_threads"] for a in after] == [0, 0]
     assert stats["idle"] == "engine" and stats["idle_looks"] == 0 and stats["ring_waits"] == 0
+    assert stats["deferred_seals"] == (2 if deferred else 0)  # one a generate: its idle call's
+    assert "recording failed" not in proc.stderr
     trace = Trace.open(tmp_path / "trace")
     requests = trace.steps(kind="request")
     assert stats["records"] == len(trace.records) and len(requests) >= 10
     assert trace.run.extra["finished"] is True and not trace.problems
     assert trace.run.extra["tracer"]["idle"] == "engine" and trace.run.extra["tracer"]["idle_hand_overs"] == 2
+    assert not sum(c.num_problems for c in check_records(trace, requests))
+    for before, now in itertools.pairwise(requests):  # a decode step's seq_lens each grew by one
+        if now.request_ids == before.request_ids and now.num_actual_tokens == len(now.seq_lens):
+            assert [b - a for a, b in zip(before.seq_lens, now.seq_lens, strict=True)] == [1] * len(now.seq_lens)
 
 
 @pytest.mark.engine
