@@ -20,7 +20,6 @@ fields of a step's metadata are read once for the layers that share it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +83,10 @@ class PackedViews(dict):
 
     packed: Packed
 
+    def __call__(self) -> None:
+        """Fill the views (``Slot.make_views`` calls it: one object a step, no ``functools.partial``)."""
+        _fill_views(self)
+
 
 def read_columns(md: Any, block_size: int) -> int:
     """Block-table columns the step of ``md`` reads (the same columns ``clone_read_blocks`` copies)."""
@@ -119,22 +122,38 @@ def queue_host_copies(
     shared memory needs them in neither way (the record process cuts every row to its blocks).
     """
     key = str(len(slot.payload["hosts"]))
+    steady = None
+    if as_given and shared is not None:
+        # A decode step of a batch size seen before: the runner's tensors are views of the same
+        # memory, shape and strides as an earlier step's, whose plan says the rest (they fit, how
+        # they flatten). One flat key of a few attribute reads, no dicts, no slicing.
+        bt, sm, sl, qs = md.block_table, md.slot_mapping, md.seq_lens, md.query_start_loc
+        steady = (
+            bt.data_ptr(), bt.shape, bt.stride(), bt.dtype,
+            sm.data_ptr(), sm.shape, sm.stride(), sm.dtype,
+            sl.data_ptr(), sl.shape, sl.stride(), sl.dtype,
+            qs.data_ptr(), qs.shape, qs.stride(), qs.dtype,
+        )  # fmt: skip
+        plan = _STEADY.get(steady)
+        if plan is not None:
+            rows = {
+                "query_start_loc": num_reqs + 1,
+                "seq_lens": num_reqs,
+                "block_table": num_reqs,
+                "slot_mapping": num_tokens,
+            }  # what metadata_parts says of tensors copied as given
+            return _pack(slot, plan, plan.pin, rows, None, shared, defer, name=key)
     as_given = as_given and _fits_as_given(md)
     if cols is None and not (as_given and shared is not None):
         cols = read_columns(md, block_size)
     parts, trim = metadata_parts(md, num_reqs, num_tokens, cols or 0, as_given=as_given, checked=True)
-    host = pack_host_copies(
-        slot,
-        key,
-        parts,
-        pin=md.block_table.is_cuda,
-        trim=trim,
-        cols=cols if trim else None,
-        shared=shared,
-        defer=defer,
-    )
-    if host is not None:
-        return host
+    plan = _plan_of(parts)
+    if plan is not None:
+        if steady is not None and as_given and plan is _PLANS.get(plan.key):  # views of the runner's memory: kept
+            if len(_STEADY) >= _PLANS_MAX:
+                del _STEADY[next(iter(_STEADY))]
+            _STEADY[steady] = plan
+        return _pack(slot, plan, plan.pin, trim, cols if trim else None, shared, defer, name=key)
     views = {name: slot.host(key + name, src) for name, src in parts.items()}
     return {name: view[: trim[name]] for name, view in views.items()} if trim else views
 
@@ -219,12 +238,27 @@ def pack_host_copies(
     plan = _plan_of(parts)
     if plan is None:
         return None
+    return _pack(slot, plan, pin, trim, cols, shared, defer, name=name)
+
+
+def _pack(
+    slot: Slot,
+    plan: _Plan,
+    pin: bool,
+    trim: dict[str, int] | None,
+    cols: int | None,
+    shared: SharedHost | None,
+    defer: bool,
+    *,
+    name: str = "0",
+) -> PackedViews:
+    """:func:`pack_host_copies` once the plan is known: into the shared memory, or the slot's buffer ``name``."""
     region = None
     if shared is not None:
         region = shared.take(plan.total, pin=pin, device=plan.device if defer and (pin or DEFER_ON_CPU) else None)
     if region is None:
         offset = None
-        host = slot.host_prefix(name, plan.total, plan.int32, pin=pin, sources=parts.values())
+        host = slot.host_prefix(name, plan.total, plan.int32, pin=pin, sources=plan.flat)
         host.copy_(plan.cat(plan.flat), non_blocking=pin)
     else:
         offset, host, mirror = region
@@ -237,7 +271,7 @@ def pack_host_copies(
             plan.cat(plan.flat, out=host)
     views = PackedViews()
     views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {}, cols, offset, plan.memo)
-    slot.view_makers.append(functools.partial(_fill_views, views))
+    slot.view_makers.append(views)
     return views
 
 
@@ -253,6 +287,8 @@ class _Plan:
     cat: Any  #: ``torch.cat``
     int32: Any
     device: Any  #: the parts' device
+    pin: bool = False  #: the parts are on a CUDA device (pinned, non-blocking copies)
+    key: tuple[Any, ...] = ()  #: its key in :data:`_PLANS`
     memo: dict[Any, Any] = field(default_factory=dict)  #: ``Packed.memo`` of the copies made by this plan
 
 
@@ -265,9 +301,14 @@ _PLANS: dict[tuple[Any, ...], _Plan] = {}
 _PLANS_MAX = 16
 
 
+#: The same plans by :func:`queue_host_copies`' flat key of a metadata's four tensors (copied as given).
+_STEADY: dict[tuple[Any, ...], _Plan] = {}
+
+
 def forget_plans() -> None:
     """Let go of the kept plans and the runner's memory they hold (``Tracer.stop``)."""
     _PLANS.clear()
+    _STEADY.clear()
 
 
 def _plan_of(parts: dict[str, Any]) -> _Plan | None:
@@ -292,7 +333,8 @@ def _plan_of(parts: dict[str, Any]) -> _Plan | None:
         flat.append(src)
     widths = tuple(f.shape[0] for f in flat)
     like = {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()}
-    plan = _Plan(flat, tuple(order), widths, like, sum(widths), torch.cat, int32, flat[0].device)
+    device = flat[0].device
+    plan = _Plan(flat, tuple(order), widths, like, sum(widths), torch.cat, int32, device, device.type == "cuda", key)
     if all(f.data_ptr() == parts[k].data_ptr() for k, f in zip(order, flat, strict=True)):
         # views, not copies (a non-contiguous part's flat copy holds this step's values only)
         if len(_PLANS) >= _PLANS_MAX:

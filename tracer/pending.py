@@ -118,9 +118,10 @@ class LayerCapture:
 
         ``with_ids`` False: without ``request_ids`` (the record process is sent them when they change).
         """
-        fields = {"step": self.step, "kind": self.kind, "request_ids": self.req_ids, **self.metadata}
-        if not with_ids:
-            del fields["request_ids"]
+        if with_ids:
+            fields = {"step": self.step, "kind": self.kind, "request_ids": self.req_ids, **self.metadata}
+        else:
+            fields = {"step": self.step, "kind": self.kind, **self.metadata}
         if self.scales is not None:
             fields.update((k, _scale_value(v)) for k, v in self.scales.items())
         return fields

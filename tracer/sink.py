@@ -174,9 +174,11 @@ class TraceSink:
                     items.append(["gap", item.to_json()])
                     self.stats["gaps"] += 1
                     continue
-                read_static_floats(item.static)
+                if not item.static.floats_read:
+                    read_static_floats(item.static)
                 step = item.step_fields(with_ids=False)
-                self._keep_scales(item, step)
+                if item.scales is not None:
+                    self._keep_scales(item, step)
                 if item.req_ids is not self._ids_sent:  # a decode step's batch is the last step's (the same tuple)
                     self._ids_sent = item.req_ids
                     items.append(["ids", item.req_ids])
