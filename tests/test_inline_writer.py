@@ -464,6 +464,73 @@ def test_deferred_steps_are_sealed_every_few_steps_with_one_move_and_one_event(m
     assert len(pool._free) == 16
 
 
+def _deferred_run(tmp_path, monkeypatch, host: str, steps: int, *, decide_idle_at: int | None = None):
+    """``steps`` steps of the fake engine through the inline writer, copies deferred through a host
+    'mirror' (``capture.DEFER_ON_CPU``), in inference mode as vLLM's steps run; the tracer's first
+    request step decision (``Tracer._decide_idle``, no vLLM loop here: the timer takes over) made
+    inside step ``decide_idle_at``, between its copy and its hand-over, as ``_end_step`` makes it.
+    Returns the records' lines, the shared memory (None: pipe) and the tracer."""
+    import torch
+
+    from tests.test_hooks import _fake_step_engine
+    from tests.test_shared_host import _new_values
+    from tracer import capture
+
+    monkeypatch.setattr(capture, "DEFER_ON_CPU", True)
+    monkeypatch.setenv("PAGEDTRACE_HOST", host)
+    t, runner, sched, md = _fake_step_engine(tmp_path / host)
+    t._sink.start()
+    memory = t._sink.shared_host()
+    with torch.inference_mode():
+        for i in range(steps):
+            _new_values(i, md)
+            t._phase, t._depth = ["request"], 1
+            t._begin_step()
+            t._v2_req_ids = ("a", "b", "c")
+            t._dispatch = ("full", 4)
+            t._end_request_step(runner, (sched,), {})
+            if i == decide_idle_at:
+                t._decide_idle()
+            t._submit_slot()
+    t._thread.close()
+    t._sink.finish()
+    assert t.error is None
+    return (tmp_path / host / "trace" / "steps.jsonl").read_text().splitlines(), memory, t
+
+
+def test_deferred_steps_through_a_small_ring_and_few_slots_are_the_pipes(tmp_path, monkeypatch):
+    """Room for 5 steps' copies and 3 ring slots: steps find the ring full (the child is behind)
+    and take the slot's own buffer, or find no free slot and hand the queued ones over first
+    (``make_room``, which seals them); the ring wraps, moving what lies at its end first. Deferred
+    and undeferred slots queue side by side. Every step's values reach the records."""
+    from tracer import shared_host
+
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
+    monkeypatch.setenv("PAGEDTRACE_IDLE", "off")
+    monkeypatch.setenv("PAGEDTRACE_RING_SLOTS", "3")
+    monkeypatch.setattr(shared_host, "RING_BYTES", 5 * 192 + 64)
+    shared, memory, t = _deferred_run(tmp_path, monkeypatch, "shared", 60)
+    pipe, _, _ = _deferred_run(tmp_path, monkeypatch, "pipe", 60)
+    assert len(shared) == 60 and shared == pipe
+    assert t._pool.waits > 0 and memory.flushes > 0 and memory.taken + memory.declined == 60
+    assert memory.taken >= 5 and t._thread.seals > 0
+
+
+def test_a_writer_that_falls_back_to_its_timer_seals_what_it_holds_and_defers_no_more(tmp_path, monkeypatch):
+    """No vLLM loop in the process: at the first request step's decision the steps deferred so far
+    are moved (one seal), the step in hand records its own event, and later steps copy as before."""
+    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
+    monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
+    shared, memory, t = _deferred_run(tmp_path, monkeypatch, "shared", 20, decide_idle_at=5)
+    pipe, _, _ = _deferred_run(tmp_path, monkeypatch, "pipe", 20, decide_idle_at=5)
+    assert len(shared) == 20 and shared == pipe
+    assert not t._defer and t._thread.idle == "timer"
+    # one move: steps 0-4 sealed, and step 5's copy (in the mirror already) with them; step 5 then
+    # records its own event, after that move
+    assert t._thread.seals == 1 and memory.flushes == 1
+    assert memory.taken == 20
+
+
 @pytest.mark.parametrize("defer", ["on", "off"])
 def test_deferred_copies_write_every_step_as_the_pipe_does(tmp_path, monkeypatch, defer):
     """A CPU stand-in whose copies go through a host 'mirror' (``capture.DEFER_ON_CPU``): every step's
