@@ -1,7 +1,7 @@
 """Read an overhead probe's run (``scripts/h200_overhead_probe.py --json``) the way session 9 did.
 
 Pass times on the H200 host swing by up to ±40 % between passes of one variant while the tracer's
-cost is a few per cent, so this script looks at a run from four sides, each per traced variant
+cost is a few per cent, so this script looks at a run from five sides, each per traced variant
 against ``untraced`` with a 95 % bootstrap interval over rounds (the probe's ``paired_interval``):
 
 1. **all rounds**: each pass over the untraced pass of its round (what the probe prints);
@@ -12,7 +12,9 @@ against ``untraced`` with a 95 % bootstrap interval over rounds (the probe's ``p
 3. **slow steps**: decode steps (the first two steps of each batch, the prefill, left out) over
    ``--slow`` (1.25) times the run's median untraced decode step, their share, and the time they
    add per pass beyond that median;
-4. **blocked**: how often the engine's thread blocked during a pass (``voluntary_ctxt_switches``,
+4. **prefill and decode steps apart**: each pass's seconds in its batches' prefill steps and in its
+   decode steps, each over the untraced pass's of its round (the tracer's cost is per step);
+5. **blocked**: how often the engine's thread blocked during a pass (``voluntary_ctxt_switches``,
    ``host.vol`` in the probe's round lines): a thread that waits for the GIL another thread holds
    sleeps on it; then the CPU the engine's process (every thread) and the record process took
    a pass (probes from session 12 on), and how the held steps went over once the engine idled:
@@ -86,6 +88,12 @@ def decode_steps(steps: list[list[float]]) -> list[float]:
     return [d for i, (_, d) in enumerate(steps) if i % BATCH_STEPS >= PREFILL_STEPS]
 
 
+def phase_sums(steps: list[list[float]]) -> tuple[float, float]:
+    """A pass's seconds in its prefill steps (each batch's first :data:`PREFILL_STEPS`) and in its decode steps."""
+    prefill = sum(d for i, (_, d) in enumerate(steps) if i % BATCH_STEPS < PREFILL_STEPS)
+    return prefill, sum(d for _, d in steps) - prefill
+
+
 def slow_steps(passes: list[list[list[float]]], bar: float) -> tuple[float, float]:
     """Over ``passes``: the share of decode steps over ``bar`` seconds, and the seconds they add per pass."""
     n = slow = 0
@@ -150,6 +158,21 @@ def report_run(run: dict[str, Any], stats: dict[str, Any], args: argparse.Namesp
             f"{v:22s} {all_s:24s} {quiet_s:24s} {share:10.1%} {extra * 1e3:8.1f}ms "
             f"{blocked:>10s} {cpu:>9s} {child:>7s} {looks:>22s}"
         )
+    if steps:
+        # The tracer's cost is per step, and prefills are few and long: the two apart, each pass's
+        # sum of them over the untraced pass of its round (a pass's time is both, and the rest).
+        print("prefill and decode steps apart, each pass's sum over the untraced pass of its round:")
+        base_sums = [phase_sums(p) for p in steps.get("untraced", [])]
+        for v in variants:
+            if v == "untraced" or len(steps.get(v, [])) != len(base_sums):
+                continue
+            sums = [phase_sums(p) for p in steps[v]]
+            pre = [a[0] / b[0] for a, b in zip(sums, base_sums, strict=True) if b[0] > 0]
+            dec = [a[1] / b[1] for a, b in zip(sums, base_sums, strict=True) if b[1] > 0]
+            print(
+                f"  {v:20s} prefill steps {_interval(pre, paired_interval):24s} "
+                f"decode steps {_interval(dec, paired_interval)}"
+            )
     for v in variants:
         line = pieces_line(stats.get(v, []))
         if line:

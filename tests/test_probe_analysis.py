@@ -24,6 +24,13 @@ def test_decode_steps_leave_out_each_batchs_prefill(analysis):
     assert len(kept) == 126 and 0.0 not in kept and 0.001 not in kept and 0.065 not in kept and 0.066 not in kept
 
 
+def test_a_passs_prefill_and_decode_seconds_are_summed_apart(analysis):
+    steps = [[float(i), 0.001 * i] for i in range(130)]  # two batches of 65 steps
+    prefill, decode = analysis.phase_sums(steps)
+    assert prefill == pytest.approx(0.001 * (0 + 1 + 65 + 66))
+    assert prefill + decode == pytest.approx(sum(d for _, d in steps))
+
+
 def test_slow_steps_count_the_share_and_the_time_over_the_bar(analysis):
     fast, slow = [0.0, 0.005], [0.0, 0.010]
     passes = [[fast, fast] + [fast] * 6 + [slow, slow], [fast, fast] + [fast] * 8]  # prefill steps first
