@@ -803,7 +803,9 @@ class Tracer:
         if self._thread is None:
             self._pool.release(slot)
             return
-        if slot.queued:
+        # A deferred slot records nothing now (its seal, at a hand-over, does: never inside a capture,
+        # which runs only inside capture_model, drained before it): no question to the device either.
+        if slot.queued and not (slot.deferred and self._defer):
             if capturing():  # not reached: copies stop, and slots are handed over, before graphs are captured
                 self._pool.release(slot)  # an event recorded now would be a graph node: drop the step, say so
                 self._fail(
@@ -822,7 +824,7 @@ class Tracer:
                 stream = self._move_deferred()
                 slot.deferred = False
                 record_event(slot, cuda_available(), blocking=self._blocking_events, stream=stream)
-            elif not slot.deferred:  # a deferred slot's event comes with its seal (InlineWriter.seal)
+            else:
                 record_event(slot, cuda_available(), blocking=self._blocking_events)
         self._thread.submit(slot)
 

@@ -223,9 +223,19 @@ def capture_scales(layer: Any) -> dict[str, Any]:
     return out
 
 
+#: dtype -> its name (``dtype_name``, asked for every request step's query: a dict look-up, not a ``str``)
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def dtype_name(tensor_or_dtype: Any) -> str:
     """``torch.float8_e4m3fn`` -> ``float8_e4m3fn``: a dtype, or a tensor's (no host sync)."""
-    return str(getattr(tensor_or_dtype, "dtype", tensor_or_dtype)).removeprefix("torch.")
+    dtype = getattr(tensor_or_dtype, "dtype", tensor_or_dtype)
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        if len(_DTYPE_NAMES) < 64:
+            _DTYPE_NAMES[dtype] = name
+    return name
 
 
 def _scale_value(value: Any) -> float | None:
