@@ -65,17 +65,23 @@ def test_a_slot_is_handed_over_once_its_event_fired_oldest_first_on_this_thread(
     assert pool.has_free() and len(pool._free) == 8
 
 
-def test_slots_are_handed_over_every_few_steps_in_one_message():
-    """``every`` steps queue before a hand-over; the fired slots then go together, one ``end`` after them."""
-    pool, log, handled = SlotPool(8), [], []
-    writer = InlineWriter(
+def _every_three(pool: SlotPool, log: list, handled: list, **kw) -> InlineWriter:
+    """A writer without an idle thread that hands over every 3 steps: each slot's payload, then "end"."""
+    return InlineWriter(
         pool,
         lambda slot: handled.append(slot.payload),
         log.append,
         idle_s=0,
         every=3,
         end=lambda: handled.append("end"),
+        **kw,
     )
+
+
+def test_slots_are_handed_over_every_few_steps_in_one_message():
+    """``every`` steps queue before a hand-over; the fired slots then go together, one ``end`` after them."""
+    pool, log, handled = SlotPool(8), [], []
+    writer = _every_three(pool, log, handled)
     slots = [_step(pool, writer, log, i) for i in range(2)]
     assert handled == [] and log == []  # fewer than 3 queued: not even asked
     for slot in slots:
@@ -429,16 +435,7 @@ def test_deferred_steps_are_sealed_every_few_steps_with_one_move_and_one_event(m
         recorded.append((slot.payload, stream))
 
     monkeypatch.setattr(ring, "record_event", record)
-    writer = InlineWriter(
-        pool,
-        lambda slot: handled.append(slot.payload),
-        log.append,
-        idle_s=0,
-        every=3,
-        end=lambda: handled.append("end"),
-        move=lambda: moves.append(len(moves)) or "stream",
-        on_cuda=True,
-    )
+    writer = _every_three(pool, log, handled, move=lambda: moves.append(len(moves)) or "stream", on_cuda=True)
 
     def deferred(i: int) -> Slot:
         slot = pool.acquire()
