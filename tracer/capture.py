@@ -4,7 +4,7 @@ Called by ``tracer.hooks`` at the end of a runner step (metadata) and in ``forwa
 nothing here waits for the device. A KV-cache group's four metadata tensors (``slot_mapping``,
 ``query_start_loc``, ``seq_lens``, the block-table columns read) cost one device-to-host copy
 a step: :func:`pack_host_copies` packs them on the device into one int32 tensor, which one
-non-blocking copy moves into a pinned host buffer: a region of the memory the record writer
+non-blocking copy moves into a pinned host buffer: a stretch of the memory the record writer
 process maps (``tracer.shared_host``), so the message to it names the place, or else the ring
 slot's own buffer (``tracer.ring.Slot``), whose bytes the message carries; a tensor trace's
 writer thread cuts it into the four host views before it reads them. Every CUDA call and tensor operation here costs the
@@ -115,11 +115,14 @@ def queue_host_copies(
     on the engine's thread (~15 µs apiece on the H200 host under vLLM), the copy engine's few
     extra kilobytes cost it nothing. The views are the step's rows either way.
 
-    ``shared``: the packed copy goes into a region of the memory the record writer process maps,
-    when one is free (``SharedHost.take``). ``cols`` None: the block-table columns the step reads
-    are worked out (``read_columns``, with ``block_size``) only where they are needed: to cut
-    the table on the device, or to send fewer bytes from the slot's own buffer. A copy into
-    shared memory needs them in neither way (the record process cuts every row to its blocks).
+    ``shared``: the packed copy goes into a stretch of the memory the record writer process maps,
+    when it has room (``SharedHost.take``); ``defer``: through its device mirror
+    (:func:`pack_host_copies`). ``cols`` None: the block-table columns the step reads are worked
+    out (``read_columns``, with ``block_size``) only where they are needed: to cut the table on
+    the device, or to send fewer bytes from the slot's own buffer. A copy into shared memory
+    needs them in neither way (the record process cuts every row to its blocks). A step whose
+    four tensors are the memory, shapes and strides of an earlier step copied as given takes
+    that step's plan at once (:data:`_STEADY`).
     """
     key = str(len(slot.payload["hosts"]))
     steady = None

@@ -8,6 +8,10 @@ event, after all of them, and hands the slot to :class:`WriterThread`. The threa
 the event, turns the slot into records and writes them (or sends them to the record writer
 process, ``tracer.writer_process``); only then is the slot free again.
 
+With the inline writer on CUDA a metadata step's copy is deferred instead (``Slot.deferred``,
+``tracer.shared_host``): it records no event, and the writer seals the queued steps at a
+hand-over, one copy to the host and one event for them all (:meth:`InlineWriter.seal`).
+
 When every slot is in flight the step waits for the oldest: a slow disk slows the engine
 down rather than losing a step (``waits`` counts how often). Device memory held by
 in-flight tensor clones is bounded the same way (``max_device_bytes``). On a CPU engine

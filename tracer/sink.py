@@ -63,7 +63,7 @@ class TraceSink:
         self.records_out = None
         if not options.tensors and mode != "thread":
             self.records_out = RecordProcess(self.directory, shared=shared_memory(), poll=child_polls())
-        #: the next message: (hosts, items, the byte offsets of the shared regions its hosts name)
+        #: the next message: (hosts, items, the byte offsets of the shared stretches its hosts name)
         self._outgoing: tuple[list[Any], list[Any], list[int]] = ([], [], [])
         self._layers_sent: dict[str, tuple[Any, ...]] = {}  # layer -> LayerCapture.layer_key() last sent
         self._ids_sent: tuple[str, ...] | None = None  # the request ids last sent (the records after carry them)
@@ -192,7 +192,7 @@ class TraceSink:
                     index = host_index[id(item.host)] = len(hosts)
                     message = host_message(item.host)
                     hosts.append(message)
-                    if "shared" in message:  # its region is free again once the child has read the message
+                    if "shared" in message:  # its stretch is free again once the child has read the message
                         regions.append(message["shared"][0])
                 items.append(["step", index, item.static.block_size, item.layer, step])
                 self.stats["records"] += 1

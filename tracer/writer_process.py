@@ -24,7 +24,7 @@ sent before the layer's first record, and again whenever they change), ``["ids",
 layer, fields]`` (``LayerCapture.step_fields`` without the ids: a record is the layer's fields
 updated with these) or ``["sync"]``, which the child answers with :data:`SYNCED` on stdout once
 everything before it is written. After each message the child counts it finished in the shared
-memory: the regions it named may be reused. End of input (the tracer stopped, or its process
+memory: the stretches it named may be reused. End of input (the tracer stopped, or its process
 died) ends the child once everything it got is on disk. A write error ends it early: its one
 line goes to stdout, and the tracer reports it (``RecordProcess.close``).
 
@@ -268,7 +268,7 @@ class RecordProcess:
     def send(self, hosts: list[dict[str, list[Any]]], items: list[list[Any]], regions: Sequence[int] = ()) -> bool:
         """Queue one slot's records; False once the child has ended (``error`` then says why).
 
-        ``regions``: byte offsets of the ``shared_host`` regions ``hosts`` name; each is free again
+        ``regions``: byte offsets of the ``shared_host`` stretches ``hosts`` name; each is free again
         once the child has finished this message (its number is taken here, under the lock).
         """
         with self._lock:
@@ -584,7 +584,7 @@ def _records(shared: Any = None, *, poll: bool = False) -> int:
     """Records from stdin (:func:`main`): 0 at end of input, 3 after a one-line error on stdout.
 
     ``shared``: the mapping of the engine's shared host memory; after each message, the count of
-    messages finished goes into it, so that the engine may reuse the regions they named.
+    messages finished goes into it, so that the engine may reuse the stretches they named.
     ``poll``: stdin is read by looking (:class:`PolledInput`), not by waiting on it.
     """
     import msgspec
