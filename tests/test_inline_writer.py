@@ -528,6 +528,25 @@ def test_a_writer_that_falls_back_to_its_timer_seals_what_it_holds_and_defers_no
     assert memory.taken == 20
 
 
+def test_a_move_that_fails_is_reported_once_and_its_steps_are_freed_unread():
+    """The seal's move to the host raises (session 19's first H200 call: an inference tensor written
+    outside inference mode): ``on_error`` once, nothing raises from the steps or from close, no slot
+    is handed over as done, and every slot is free again."""
+    pool, handled, errors = SlotPool(8), [], []
+
+    def move():
+        raise RuntimeError("cannot move")
+
+    writer = InlineWriter(pool, lambda slot: handled.append(slot.payload), errors.append, idle_s=0, every=2)
+    writer._move = move
+    for i in range(5):
+        slot = pool.acquire()
+        slot.payload, slot.queued, slot.deferred = i, True, True
+        writer.submit(slot)
+    writer.close()
+    assert handled == [] and [str(e) for e in errors] == ["cannot move"] and len(pool._free) == 8
+
+
 @pytest.mark.parametrize("defer", ["on", "off"])
 def test_deferred_copies_write_every_step_as_the_pipe_does(tmp_path, monkeypatch, defer):
     """A CPU stand-in whose copies go through a host 'mirror' (``capture.DEFER_ON_CPU``): every step's

@@ -547,17 +547,24 @@ class InlineWriter(_HandOver):
 
         Called with the lock held before any hand-over (the caller's thread queued the packs, or
         the engine is idle). The newest deferred slot records the event; the older ones are
-        covered by it (``Slot.cover``): their copies are done once it has fired.
+        covered by it (``Slot.cover``): their copies are done once it has fired. A move or record
+        that raises goes to ``on_error`` once, like a failed hand-over: the slots stay unsealed, and
+        are only freed, never read.
         """
         if not self._unsealed:
             return
         self._unsealed = 0
-        stream = self._move() if self._move is not None else None
         pending = [slot for slot in self._pending if slot.deferred]
-        if not pending:
+        if not pending or self._failed:
             return
         newest = pending[-1]
-        record_event(newest, self._on_cuda, blocking=self._blocking, stream=stream)
+        try:
+            stream = self._move() if self._move is not None else None
+            record_event(newest, self._on_cuda, blocking=self._blocking, stream=stream)
+        except Exception as exc:  # noqa: BLE001 - the engine must run on
+            self._failed = True
+            self._on_error(exc)
+            return
         for slot in pending:
             slot.deferred = False
             if slot is not newest:
@@ -606,8 +613,8 @@ class InlineWriter(_HandOver):
             landed = None  # the last event seen to have fired (sealed slots share one)
             while pending:
                 first = pending[0]
-                if first.deferred:
-                    break  # not sealed yet: its copies have not been queued to the host
+                if first.deferred and not self._failed:
+                    break  # not sealed yet: its copies have not been queued to the host (failed: only freed)
                 event = first.landed_event()
                 if event is not None and event is not landed:
                     if not event.query():
