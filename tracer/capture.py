@@ -253,7 +253,7 @@ def _pack(
     shared: SharedHost | None,
     defer: bool,
     *,
-    name: str = "0",
+    name: str,
 ) -> PackedViews:
     """:func:`pack_host_copies` once the plan is known: into the shared memory, or the slot's buffer ``name``."""
     region = None
