@@ -268,6 +268,58 @@ def torch_calls_per_step(args: argparse.Namespace, steps: int = 50) -> dict[str,
     return dict(sorted(((n, m) for n, m in medians.items() if m), key=lambda nm: -nm[1]))
 
 
+#: :func:`python_opcodes_per_step`'s key for the Python function calls a step makes into the tracer's code
+CALLS = "(calls)"
+
+
+def python_opcodes_per_step(args: argparse.Namespace, steps: int = 400) -> dict[str, float]:
+    """Python bytecode instructions the tracer's own code runs on the engine's thread per traced step.
+
+    Per function (``module:function``, most first, the wrappers included), the mean over
+    ``steps`` steps of a warmed-up stand-in, hand-overs included (one every ``HAND_OVER_EVERY``
+    steps, shared out); :data:`CALLS`: how many calls of its functions that makes (a call costs
+    more than most instructions). Counted with ``sys.settrace``'s opcode events: within ~2 % from
+    run to run on any machine of one Python version (what varies is how far the record process
+    has read, which the shared ring looks at), where :func:`tracer_cpu_per_step`'s thread time
+    spreads by 2x between runs on the VM. A torch call is one instruction here, whatever it costs.
+    """
+    import collections
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1] / "tracer")
+    counts: collections.Counter[str] = collections.Counter()
+
+    def trace(frame, event, arg):
+        code = frame.f_code
+        if not code.co_filename.startswith(root):
+            return None
+        frame.f_trace_opcodes = True
+        key = f"{Path(code.co_filename).stem}:{code.co_name}"
+        counts[CALLS] += 1
+
+        def count(frame, event, arg):
+            if event == "opcode":
+                counts[key] += 1
+            return count
+
+        return count
+
+    step, t = _fake_engine(args, tempfile.mkdtemp(prefix="pagedtrace-hot-"))
+    for _ in range(WARM_STEPS):
+        step()
+    t.drain()
+    sys.settrace(trace)  # the wrappers' own code too, not only the tracer's methods they call
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        sys.settrace(None)
+    t.drain()
+    t._thread.close()
+    t._sink.finish()
+    return {k: n / steps for k, n in counts.most_common()}
+
+
 def _set_writer(kind: str | None) -> None:
     """``PAGEDTRACE_WRITER`` (and, for ``inline@IDLE``, ``PAGEDTRACE_IDLE``) for ``kind``; None: unset both."""
     os.environ.pop("PAGEDTRACE_WRITER", None)
@@ -347,6 +399,16 @@ def main() -> None:
         print(
             f"writer {w:8s} tracer CPU on the engine's thread: {cpu * 1e6:.1f} us/step (median of 3 x 1000 steps, "
             "time.thread_time)"
+        )
+    for w in writers:
+        _set_writer(w)
+        ops = python_opcodes_per_step(args)
+        _set_writer(None)
+        calls = ops.pop(CALLS)
+        top = ", ".join(f"{name} {n:.0f}" for name, n in list(ops.items())[:5])
+        print(
+            f"writer {w:8s} tracer's Python on the engine's thread: {calls:.1f} calls, {sum(ops.values()):.0f} "
+            f"opcodes/step ({top}, ...)"
         )
     calls = torch_calls_per_step(args)
     listed = ", ".join(f"{name} {n:g}" for name, n in calls.items())

@@ -33,3 +33,16 @@ def test_per_head_scales_become_one_float_only_when_they_agree():
 def test_dtype_name_drops_the_torch_prefix():
     assert dtype_name(torch.zeros(1, dtype=torch.float8_e4m3fn)) == "float8_e4m3fn"
     assert dtype_name(torch.zeros(1, dtype=torch.bfloat16)) == "bfloat16"
+
+
+def test_a_layers_block_size_follows_its_cache():
+    """Read once from the cache's shape, kept when vLLM replaces the cache; the profile run's
+    empty placeholder (no block dimension) reads 0 rather than failing the step."""
+    from tracer.pending import LayerStatic
+
+    static = LayerStatic("model.layers.0.self_attn.attn", impl=None, module=None, kv_cache=torch.empty(0))
+    assert static.block_size == 0
+    static.geometry = object()
+    static.set_cache(torch.zeros(8, 2, 16, 64))
+    assert static.block_size == 16 and static.geometry is None
+    assert LayerStatic("x", None, None, torch.zeros(4, 2, 32, 64)).block_size == 32

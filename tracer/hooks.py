@@ -125,6 +125,9 @@ RING_SLOTS = 64
 ENV_RING_SLOTS = "PAGEDTRACE_RING_SLOTS"
 ENV_THROTTLE = "PAGEDTRACE_WRITER_THROTTLE_S"
 
+#: ``Tracer.untraced_now`` outside request steps: no layer is passed by (never changed, only read)
+_NOT_NOW: dict[str, bool] = {}
+
 _ACTIVE: Tracer | None = None
 _LOCK = threading.Lock()
 
@@ -191,6 +194,7 @@ class Tracer:
         self._in_capture = 0  # inside the runner's capture_model: no device copies at all
         # step bookkeeping
         self.step = -1
+        self._in_range = step_in_range(self.step, options.steps)  #: ``step`` lies in ``options.steps``
         self._depth = 0
         self._phase: list[str] = []
         self._seen_in_step = False
@@ -199,6 +203,7 @@ class Tracer:
         self._v2_req_ids: tuple[str, ...] | None = None
         #: the last step's request ids as the runner gave them, and as :meth:`_req_ids` made them
         self._ids_made: tuple[Any, tuple[str, ...]] | None = None
+        self._warmup_asked: tuple[tuple[str, ...], bool] | None = None  #: ``is_warmup_batch``'s last answer
         self._finalizer: multiprocessing.util.Finalize | None = None  #: ``stop`` when a multiprocessing child ends
         self._fc: tuple[Any, str, int | None] | None = None  # set_forward_context's metadata, mode, padded size
         self._dispatch: tuple[str, int | None] | None = None  # the V2 runner's graph choice
@@ -210,7 +215,7 @@ class Tracer:
         self._bypassed: list[Any] = []  # impls given vLLM's own forward (``_bypass_untraced``)
         #: the forward wrapper's fast path: layers it passes by at once. ``never_traced`` while a
         #: request step runs (``tracer.wrappers.runner`` sets it), empty otherwise
-        self.untraced_now: dict[str, bool] = {}
+        self.untraced_now: dict[str, bool] = _NOT_NOW
         self._step_tensors: dict[str, dict[str, Any]] = {}
         self._staging = GRAPH_STAGING  # tensors the captured full graphs copy out on every replay
         self.stats: dict[str, Any] = {"records": 0, "gaps": 0, "tensor_files": 0, "ring_waits": 0}
@@ -390,7 +395,7 @@ class Tracer:
         return self._phase[-1] if self._phase else "request"
 
     def _wants(self, layer_name: str) -> bool:
-        if self._sink.failed or not step_in_range(self.step, self.options.steps):
+        if self._sink.failed or not self._in_range:
             return False
         return self._selected(layer_name)
 
@@ -441,24 +446,30 @@ class Tracer:
                     return None
             static = self._static[name] = LayerStatic(name, impl, module, kv_cache)
         elif kv_cache is not None and static.kv_cache is not kv_cache:
-            static.kv_cache, static.geometry = kv_cache, None
+            static.set_cache(kv_cache)
         return static
 
     # -- steps ---------------------------------------------------------------
 
     def _begin_step(self) -> None:
-        self._submit_slot()
+        if self._slot is not None:
+            self._submit_slot()
         self.step += 1
+        self._in_range = step_in_range(self.step, self.options.steps)
         self._seen_in_step = False
-        self._seen_layers.clear()
+        if self._seen_layers:
+            self._seen_layers.clear()
         self._v2_req_ids = None
         self._fc = None
         self._dispatch = None
         self._fwd_md = {}
-        self.untraced_now = {}
-        self._step_tensors = {}
-        self._kv_inputs.clear()
-        self._logged_now = set()
+        self.untraced_now = _NOT_NOW
+        if self._step_tensors:
+            self._step_tensors = {}
+        if self._kv_inputs:
+            self._kv_inputs.clear()
+        if self._logged_now:
+            self._logged_now = set()
         self._model_ran = False
 
     def _on_forward(self, impl, layer, query, kv_cache, attn_metadata, output) -> None:
@@ -467,7 +478,9 @@ class Tracer:
             # A request step, recorded when the runner's step ends; forward adds the query's dtype
             # and the tensors. Every layer passes here each step: layers not traced return at once.
             self._model_ran = True
-            if not self._wants(name):
+            # ``_wants(name)``; the layer ``"first"`` locked on is selected (the steady case, asked first)
+            wanted = not self._sink.failed and self._in_range and (name == self._layer_locked or self._selected(name))
+            if not wanted:
                 if not self._selected(name):
                     # Every later request step too: from now on the wrapper returns at once (each
                     # layer's forward runs once a step, so a per-step mark would never be read),
@@ -476,13 +489,15 @@ class Tracer:
                     if impl is not None:
                         self._to_bypass.append(impl)
                 return
-            if self.options.layers == "first" and self._layer_locked is None:
+            if self._layer_locked is None and self.options.layers == "first":
                 self._layer_locked = name
-            static = self._static_of(name, impl, layer, kv_cache)
-            assert static is not None
-            static.query_dtype = dtype_name(query)
+            static = self._static.get(name)
+            if static is None or static.kv_cache is not kv_cache:
+                static = self._static_of(name, impl, layer, kv_cache)
+                assert static is not None
+            static.query_dtype = dtype_name(query.dtype)
             self._fwd_md[name] = attn_metadata
-            if self._wants_tensors():
+            if self.options.tensors and self._wants_tensors():
                 self._capture_tensors(static, query, attn_metadata, output)
             return
         static = self._static_of(name, impl, layer, kv_cache)
@@ -547,8 +562,9 @@ class Tracer:
         tensors: dict[str, Any] | None = None,
     ) -> None:
         """Queue one layer's record of this step into the slot (host copies, no sync)."""
-        slot = self._step_slot()
-        hosts = slot.payload["hosts"]
+        slot = self._slot or self._step_slot()
+        payload = slot.payload
+        hosts = payload["hosts"]
         shared = hosts.get(id(md))  # the layers of one KV-cache group share their metadata
         if shared is None:
             # A metadata trace copies the runner's tensors as given when small (the writer cuts the
@@ -572,9 +588,13 @@ class Tracer:
         scales = None
         if static.scales is None or getattr(static.module, "calculate_kv_scales", False):
             scales = capture_scales(static.module)
-        capture_kind = kind or self._kind()
-        if capture_kind == "request" and is_warmup_batch(req_ids):
-            capture_kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
+        capture_kind = kind or (self._phase[-1] if self._phase else "request")
+        if capture_kind == "request":
+            asked = self._warmup_asked  # ``is_warmup_batch``, asked once for the same tuple (a decode step's)
+            if asked is None or asked[0] is not req_ids:
+                asked = self._warmup_asked = (req_ids, is_warmup_batch(req_ids))
+            if asked[1]:
+                capture_kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
         reset = False
         if tensors is not None:
             reset = not self._log_valid.get(static.name, False)
@@ -584,13 +604,13 @@ class Tracer:
                 if hasattr(value, "element_size"):
                     self._pool.hold(slot, value.numel() * value.element_size())
         slot.queued = True  # the step's event, recorded when the slot is handed over, comes after these
-        slot.payload["captures"].append(
+        payload["captures"].append(
             LayerCapture(self.step, capture_kind, static, metadata, host, req_ids, scales, tensors, reset)
         )
 
     def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
         ids: Any = self._v2_req_ids
-        if ids is None and self._kind() == "request":
+        if ids is None and (not self._phase or self._phase[-1] == "request"):  # ``_kind()``
             batch = getattr(self._runner, "input_batch", None)
             ids = getattr(batch, "req_ids", None)
         if ids is None:
@@ -607,7 +627,7 @@ class Tracer:
     def _end_step(
         self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict, raised: BaseException | None = None
     ) -> None:
-        self.untraced_now = {}  # the fast path holds inside request steps only
+        self.untraced_now = _NOT_NOW  # the fast path holds inside request steps only
         if raised is not None:
             self._end_raised_step(method, kind, args, kwargs, raised)
             return
@@ -618,10 +638,12 @@ class Tracer:
                 self._end_request_step(runner, args, kwargs)
                 if not self._idle_decided:
                     self._decide_idle()
-            elif not self._seen_in_step and kind == "profile" and step_in_range(self.step, self.options.steps):
+            elif not self._seen_in_step and kind == "profile" and self._in_range:
                 self._record_gap(kind, "profile run: vLLM skips attention", 0)
-            self._end_pass()
-            self._submit_slot()
+            if self._log_valid or self._logged_now:  # a tensor trace's write logs (else nothing to end)
+                self._end_pass()
+            if self._slot is not None:
+                self._submit_slot()
         except Exception as exc:  # noqa: BLE001
             self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
             self._drop_slot()
@@ -637,7 +659,7 @@ class Tracer:
         self._step_tensors = {}  # the layers' clones, freed now rather than at the next step
         for name in self._log_valid:
             self._log_valid[name] = False
-        if kind not in ("request", "profile") or not step_in_range(self.step, self.options.steps):
+        if kind not in ("request", "profile") or not self._in_range:
             return
         _, num_tokens = _scheduled(args, kwargs)
         message = first_line(raised, 200)
@@ -701,15 +723,16 @@ class Tracer:
 
     def _end_pass(self) -> None:
         """A forward pass is over: a layer whose cache was written without a log entry loses its log."""
-        if self._model_ran:
+        if self._model_ran and self._log_valid:
             for name, valid in self._log_valid.items():
                 if valid and name not in self._logged_now:
                     self._log_valid[name] = False
-        self._logged_now = set()
+        if self._logged_now:
+            self._logged_now = set()
 
     def _end_request_step(self, runner: Any, args: tuple, kwargs: dict) -> None:
         sched, num_tokens = _scheduled(args, kwargs)
-        if not step_in_range(self.step, self.options.steps):
+        if not self._in_range:
             self._model_ran = self._model_ran or num_tokens > 0
             return
         if num_tokens == 0:
@@ -726,21 +749,32 @@ class Tracer:
                 )
             return
         self._model_ran = True
-        num_reqs = len(getattr(sched, "num_scheduled_tokens", {}) or {})
-        md_by_layer, cudagraph, padded = self._step_metadata(runner)
+        num_reqs = len(getattr(sched, "num_scheduled_tokens", None) or ())
+        fc = self._fc
+        if fc is not None and type(fc[0]) is dict and fc[0]:  # the runner's metadata, as set_forward_context got it
+            md_by_layer, cudagraph, padded = fc
+        else:
+            md_by_layer, cudagraph, padded = self._step_metadata(runner)
         if not md_by_layer:
             self._record_gap("request", "no-metadata: the runner kept no attention metadata for this step", num_tokens)
             return
         req_ids = self._req_ids(num_reqs)
         names = self._wanted_of(md_by_layer)
         full_tensors = False
+        known = self._static
         for name in names:
-            static = self._static_of(name)
+            static = known.get(name) or self._static_of(name)
             if static is None:
                 continue
             md = md_by_layer[name]
-            tensors = self._step_tensors.pop(name, None)
-            if tensors is None and name not in self._fwd_md and cudagraph != "none" and self._wants_tensors():
+            tensors = self._step_tensors.pop(name, None) if self._step_tensors else None
+            if (
+                tensors is None
+                and self.options.tensors
+                and name not in self._fwd_md
+                and cudagraph != "none"
+                and self._wants_tensors()
+            ):
                 # forward() did not run for this layer: its attention replayed inside a graph (a full
                 # one, or a breakable PIECEWISE one that captures attention too)
                 staged = self._staging.get(name, padded, static.kv_cache)
@@ -787,7 +821,8 @@ class Tracer:
             md = None
         if not md:
             md = self._fwd_md
-        return dict(md), cudagraph, padded
+        # read only: the runner's own dict for this step (a new one each step), or forward's
+        return md if type(md) is dict else dict(md), cudagraph, padded
 
     def _submit_slot(self) -> None:
         """Hand the step's slot to the writer, its event recorded after everything the step queued.

@@ -12,7 +12,7 @@ layer whose scales vLLM does not recompute (``calculate_kv_scales`` off) is read
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.format import StepRecord
@@ -55,10 +55,23 @@ class LayerStatic:
     sinks: tuple[float, ...] | None = None
     floats_read: bool = False
     fields: dict[str, Any] | None = None  #: the record fields no step changes (``tracer.capture``)
+    #: tokens a block holds, read from ``kv_cache`` (:meth:`set_cache` keeps it so): every step asks.
+    #: 0 for a cache that has no blocks yet (the profile run's empty placeholder)
+    block_size: int = field(init=False, default=0)
 
-    @property
-    def block_size(self) -> int:
-        return int(self.kv_cache.shape[2])
+    def __post_init__(self) -> None:
+        self.block_size = _block_size(self.kv_cache)
+
+    def set_cache(self, kv_cache: Any) -> None:
+        """The layer's cache was replaced (vLLM reallocated it): what was learned of the old one goes."""
+        self.kv_cache, self.geometry = kv_cache, None
+        self.block_size = _block_size(kv_cache)
+
+
+def _block_size(kv_cache: Any) -> int:
+    """``(num_blocks, H_kv, block_size, 2*D)`` -> ``block_size``; 0 for a cache of fewer dimensions."""
+    shape = getattr(kv_cache, "shape", ())
+    return int(shape[2]) if len(shape) > 2 else 0
 
 
 @dataclass
@@ -111,17 +124,18 @@ class LayerCapture:
     def layer_key(self) -> tuple[Any, ...]:
         """Changes whenever :meth:`layer_fields` may have (the writer resends them then)."""
         s = self.static
-        return (id(s.fields), s.query_dtype, s.floats_read, None if s.scales is None else tuple(s.scales.items()))
+        scales = s.scales
+        return (id(s.fields), s.query_dtype, s.floats_read, None if scales is None else tuple(scales.items()))
 
     def step_fields(self, *, with_ids: bool = True) -> dict[str, Any]:
         """This step's fields: number, kind, request ids, the metadata's, and the scales captured with it.
 
         ``with_ids`` False: without ``request_ids`` (the record process is sent them when they change).
         """
+        fields = {"step": self.step, "kind": self.kind}
         if with_ids:
-            fields = {"step": self.step, "kind": self.kind, "request_ids": self.req_ids, **self.metadata}
-        else:
-            fields = {"step": self.step, "kind": self.kind, **self.metadata}
+            fields["request_ids"] = self.req_ids
+        fields.update(self.metadata)
         if self.scales is not None:
             fields.update((k, _scale_value(v)) for k, v in self.scales.items())
         return fields

@@ -160,16 +160,22 @@ class SharedHost:
                 self._dirty = [start, start + stretch]
             else:
                 dirty[1] = start + stretch
-            mirror = self._view("d", start, ints)
+            mirror = self._views.get(("d", start, ints))
+            if mirror is None:
+                mirror = self._view("d", start, ints)
         self.taken += 1
-        return HEADER_BYTES + start, self._view("h", start, ints), mirror
+        host = self._views.get(("h", start, ints))
+        if host is None:
+            host = self._view("h", start, ints)
+        return HEADER_BYTES + start, host, mirror
 
     def _room(self, nbytes: int) -> int | None:
         """Take ``nbytes`` at the ring's head (or at its start, wrapping); None: no room."""
-        in_flight, finished = self._in_flight, self._finished.value
-        by_start = self._by_start
-        while in_flight and 0 <= in_flight[0][2] <= finished:  # read by the child (or given up): free again
-            del by_start[in_flight.popleft()[0]]
+        in_flight, by_start = self._in_flight, self._by_start
+        if in_flight and in_flight[0][2] >= 0:  # sent (or given up): the child may have read it
+            finished = self._finished.value
+            while in_flight and 0 <= in_flight[0][2] <= finished:  # read by the child (or given up): free again
+                del by_start[in_flight.popleft()[0]]
         head, size = self._head, self.ring_bytes
         if not in_flight:
             start = 0 if self._dirty is None else head  # nothing in flight: start over, unless the mirror waits

@@ -165,6 +165,7 @@ class TraceSink:
         assert self.records_out is not None
         hosts, items, regions = self._outgoing
         host_index: dict[int, int] = {}
+        records = 0
         try:
             for item in slot.payload["captures"]:
                 if self.failed:
@@ -174,30 +175,36 @@ class TraceSink:
                     items.append(["gap", item.to_json()])
                     self.stats["gaps"] += 1
                     continue
-                if not item.static.floats_read:
-                    read_static_floats(item.static)
+                static = item.static
+                if not static.floats_read:
+                    read_static_floats(static)
                 step = item.step_fields(with_ids=False)
                 if item.scales is not None:
                     self._keep_scales(item, step)
                 if item.req_ids is not self._ids_sent:  # a decode step's batch is the last step's (the same tuple)
                     self._ids_sent = item.req_ids
                     items.append(["ids", item.req_ids])
-                self._ensure_manifest(item)
+                if not self._manifest_written:
+                    self._ensure_manifest(item)
+                layer = static.name
                 key = item.layer_key()
-                if self._layers_sent.get(item.layer) != key:
-                    self._layers_sent[item.layer] = key
-                    items.append(["layer", item.layer, item.layer_fields()])
-                index = host_index.get(id(item.host))
+                if self._layers_sent.get(layer) != key:
+                    self._layers_sent[layer] = key
+                    items.append(["layer", layer, item.layer_fields()])
+                host = item.host
+                index = host_index.get(id(host))
                 if index is None:
-                    index = host_index[id(item.host)] = len(hosts)
-                    message = host_message(item.host)
+                    index = host_index[id(host)] = len(hosts)
+                    message = host_message(host)
                     hosts.append(message)
                     if "shared" in message:  # its stretch is free again once the child has read the message
                         regions.append(message["shared"][0])
-                items.append(["step", index, item.static.block_size, item.layer, step])
-                self.stats["records"] += 1
+                items.append(["step", index, static.block_size, layer, step])
+                records += 1
         except OSError as exc:
             self._write_failed(exc)
+        finally:
+            self.stats["records"] += records
 
     def _process_failed(self) -> None:
         """The record writer process ended early: its one line (``RecordProcess.error``) stops the trace."""

@@ -21,8 +21,20 @@ __all__ = ["dispatch", "forward", "forward_context", "kv_update", "runner"]
 
 def graph_mode(mode: object) -> str:
     """vLLM's ``CUDAGraphMode`` (or None) as ``StepRecord.cudagraph``."""
+    try:
+        return _GRAPH_MODES[mode]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
     name = str(getattr(mode, "name", mode or "NONE")).lower()
-    return name if name in ("none", "piecewise", "full") else "none"
+    name = name if name in ("none", "piecewise", "full") else "none"
+    with contextlib.suppress(TypeError):
+        if len(_GRAPH_MODES) < 64:
+            _GRAPH_MODES[mode] = name
+    return name
+
+
+#: :func:`graph_mode`'s answers so far, by the mode vLLM gave (its enum members: a few)
+_GRAPH_MODES: dict[object, str] = {}
 
 
 def runner(tracer: Tracer, method: str):
@@ -35,6 +47,8 @@ def runner(tracer: Tracer, method: str):
         "prepare_inputs": None,
     }[method]
     counts_step = method in ("execute_model", "_dummy_run")
+    dummy = method == "_dummy_run"
+    capture = method == "capture_model"
 
     def make(original):
         if method == "prepare_inputs":
@@ -51,32 +65,35 @@ def runner(tracer: Tracer, method: str):
 
         @functools.wraps(original)
         def wrapper(runner, *args, **kwargs):
-            if tracer._runner is None and tracer._thread is not None:
-                # This process runs the model (vLLM's front end and engine core never get here):
-                # start the record writer process now, at the profile run, before any request step.
-                tracer._sink.start()
-            tracer._runner = runner
-            tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
-            tracer._sink.vllm_config = tracer._vllm_config
-            outer = tracer._phase[-1] if tracer._phase else None
-            # Nested calls belong to the outer step: the V2 runner's _dummy_run calls
-            # execute_model, profile_run and capture_model call _dummy_run, and the V1
-            # runner pads data-parallel steps with a _dummy_run inside execute_model.
-            nested = outer is not None and (tracer._depth > 0 or method == "_dummy_run")
-            effective = outer if nested else phase
+            if tracer._runner is not runner:  # the first call (one runner a process: not again)
+                if tracer._runner is None and tracer._thread is not None:
+                    # This process runs the model (vLLM's front end and engine core never get here):
+                    # start the record writer process now, at the profile run, before any request step.
+                    tracer._sink.start()
+                tracer._runner = runner
+                tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
+                tracer._sink.vllm_config = tracer._vllm_config
+            stack = tracer._phase
+            depth = tracer._depth
+            if stack:
+                # Nested calls belong to the outer step: the V2 runner's _dummy_run calls
+                # execute_model, profile_run and capture_model call _dummy_run, and the V1
+                # runner pads data-parallel steps with a _dummy_run inside execute_model.
+                effective = stack[-1] if depth > 0 or dummy else phase
+            else:
+                effective = phase
             assert effective is not None  # prepare_inputs has its own wrapper above
-            new_step = counts_step and tracer._depth == 0
+            new_step = counts_step and depth == 0
             if new_step:
                 tracer._begin_step()
-            capture = method == "capture_model"
             if capture:
                 # The writer thread must stay off the device while graphs are captured (vLLM
                 # captures in global mode: any thread's sync or copy aborts the capture). Let it
                 # finish what it holds; passes inside capture_model make no copies.
                 tracer.drain()
                 tracer._in_capture += 1
-            tracer._phase.append(effective)
-            tracer._depth += counts_step
+            stack.append(effective)
+            tracer._depth = depth + counts_step
             if new_step and effective == "request":
                 tracer.untraced_now = tracer.never_traced  # forward's fast path, for this step
             raised: BaseException | None = None
@@ -86,9 +103,10 @@ def runner(tracer: Tracer, method: str):
                 raised = exc  # vLLM's own error: it propagates, the step is not recorded
                 raise
             finally:
-                tracer._in_capture -= capture
+                if capture:
+                    tracer._in_capture -= 1
                 tracer._depth -= counts_step
-                tracer._phase.pop()
+                stack.pop()
                 if new_step:
                     tracer._end_step(method, effective, runner, args, kwargs, raised)
 
@@ -100,12 +118,14 @@ def runner(tracer: Tracer, method: str):
 def forward_context(tracer: Tracer, original):
     """``set_forward_context``: keep a request step's metadata, graph mode and padded size."""
 
+    request = ["request"]
+
     @functools.wraps(original)
     def set_forward_context(attn_metadata, *args, **kwargs):
-        if tracer._depth == 1 and tracer._phase == ["request"]:
-            desc = kwargs.get("batch_descriptor")
-            padded = getattr(desc, "num_tokens", None) or kwargs.get("num_tokens")
-            tracer._fc = (attn_metadata, graph_mode(kwargs.get("cudagraph_runtime_mode")), padded)
+        if tracer._depth == 1 and tracer._phase == request:
+            get = kwargs.get
+            padded = getattr(get("batch_descriptor"), "num_tokens", None) or get("num_tokens")
+            tracer._fc = (attn_metadata, graph_mode(get("cudagraph_runtime_mode")), padded)
         return original(attn_metadata, *args, **kwargs)
 
     return set_forward_context
