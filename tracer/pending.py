@@ -70,7 +70,7 @@ class LayerStatic:
 
 def _block_size(kv_cache: Any) -> int:
     """``(num_blocks, H_kv, block_size, 2*D)`` -> ``block_size``; 0 for a cache of fewer dimensions."""
-    shape = getattr(kv_cache, "shape", ())
+    shape: Any = getattr(kv_cache, "shape", ())
     return int(shape[2]) if len(shape) > 2 else 0
 
 
