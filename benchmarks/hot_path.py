@@ -121,6 +121,7 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
         sfc = set_forward_context
         Impl.forward = attention_forward  # type: ignore[attr-defined]
 
+        @torch.inference_mode()  # as vLLM's worker runs the runner's steps
         def step() -> None:
             execute_model(runner, sched)
 
@@ -133,6 +134,7 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
     t._thread = t._writer_thread()  # as Tracer.start makes it
     t.engine_loop_here()  # as LLM._run_engine says on the H200: the engine's own thread hands over, deferred
 
+    @torch.inference_mode()
     def traced_step() -> None:
         exe(runner, sched)
 

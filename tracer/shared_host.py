@@ -229,8 +229,15 @@ class SharedHost:
         ints = (end - start) // 4
         host, mirror = self._view("h", start, ints), self._view("d", start, ints)
         # The steps run in inference mode (vLLM's worker), so the memory's tensors are inference
-        # tensors; the engine's idle call and ``stop`` move what is left from outside it.
-        with torch.inference_mode(), torch.cuda.stream(self._stream):
+        # tensors; the engine's idle call and ``stop`` move what is left from outside it. The copy
+        # goes on the steps' stream: a hand-over at a step's end is on it already (both contexts
+        # are a dozen Python calls each, skipped then).
+        raw = self._raw_stream
+        other_stream = raw is not None and raw(self._device_index) != self._stream_id
+        if other_stream or not torch.is_inference_mode_enabled():
+            with torch.inference_mode(), torch.cuda.stream(self._stream if other_stream else None):
+                host.copy_(mirror, non_blocking=True)
+        else:
             host.copy_(mirror, non_blocking=True)
         self.flushes += 1
         return True
