@@ -49,7 +49,7 @@ def test_a_steady_metadata_step_makes_few_python_calls_into_the_tracer(monkeypat
     """The tracer's Python on a steady decode step, counted (``hot_path.python_opcodes_per_step``).
 
     On the H200 host what a PIECEWISE metadata step costs the engine's thread is mostly this
-    Python (``benchmarks/results/h200-session19``). Session 20 cut its calls from 54 to 35 a
+    Python (``benchmarks/results/h200-session19``). Session 20 cut its calls from 54 to 37-38 a
     step (the wrappers, the step's start and end, the shared ring's take, the hand-over's
     message); the bound holds them there, whatever the machine's speed.
     """

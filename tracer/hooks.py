@@ -397,7 +397,8 @@ class Tracer:
     def _wants(self, layer_name: str) -> bool:
         if self._sink.failed or not self._in_range:
             return False
-        return self._selected(layer_name)
+        # the layer ``"first"`` locked on is selected: the steady case, asked before ``_selected``
+        return layer_name == self._layer_locked or self._selected(layer_name)
 
     def _selected(self, layer_name: str) -> bool:
         """``layer_name`` is one of ``options.layers`` (whatever the step)."""
@@ -478,9 +479,7 @@ class Tracer:
             # A request step, recorded when the runner's step ends; forward adds the query's dtype
             # and the tensors. Every layer passes here each step: layers not traced return at once.
             self._model_ran = True
-            # ``_wants(name)``; the layer ``"first"`` locked on is selected (the steady case, asked first)
-            wanted = not self._sink.failed and self._in_range and (name == self._layer_locked or self._selected(name))
-            if not wanted:
+            if not self._wants(name):
                 if not self._selected(name):
                     # Every later request step too: from now on the wrapper returns at once (each
                     # layer's forward runs once a step, so a per-step mark would never be read),
@@ -750,11 +749,7 @@ class Tracer:
             return
         self._model_ran = True
         num_reqs = len(getattr(sched, "num_scheduled_tokens", None) or ())
-        fc = self._fc
-        if fc is not None and type(fc[0]) is dict and fc[0]:  # the runner's metadata, as set_forward_context got it
-            md_by_layer, cudagraph, padded = fc
-        else:
-            md_by_layer, cudagraph, padded = self._step_metadata(runner)
+        md_by_layer, cudagraph, padded = self._step_metadata(runner)
         if not md_by_layer:
             self._record_gap("request", "no-metadata: the runner kept no attention metadata for this step", num_tokens)
             return

@@ -165,7 +165,6 @@ class TraceSink:
         assert self.records_out is not None
         hosts, items, regions = self._outgoing
         host_index: dict[int, int] = {}
-        records = 0
         try:
             for item in slot.payload["captures"]:
                 if self.failed:
@@ -200,11 +199,9 @@ class TraceSink:
                     if "shared" in message:  # its stretch is free again once the child has read the message
                         regions.append(message["shared"][0])
                 items.append(["step", index, static.block_size, layer, step])
-                records += 1
+                self.stats["records"] += 1
         except OSError as exc:
             self._write_failed(exc)
-        finally:
-            self.stats["records"] += records
 
     def _process_failed(self) -> None:
         """The record writer process ended early: its one line (``RecordProcess.error``) stops the trace."""
