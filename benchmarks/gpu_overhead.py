@@ -7,11 +7,10 @@ suffixes drawn with a seed per batch), greedy, ``--max-tokens`` new tokens each 
 
 Modes: ``default`` (vLLM's own compilation config: FULL_AND_PIECEWISE on a GPU), ``piecewise``
 (``cudagraph_mode`` PIECEWISE), ``eager`` (``enforce_eager``). Cases: ``untraced``,
-``metadata`` (first layer, no tensors), ``metadata-process`` (the same with
-``PAGEDTRACE_WRITER=process``: a writer thread hands the steps to the record process),
-``tensors-l0`` (layer 0 with tensors) and ``tensors-all`` (every layer with tensors), both with a
-4096 MiB tensor budget, and the same two keeping 8 query rows a step (``tensors-l0-rows8``,
-``tensors-all-rows8``: format 4's ``query_rows``).
+``metadata`` (first layer, no tensors), ``tensors-l0`` (layer 0 with tensors) and
+``tensors-all`` (every layer with tensors), both with a 4096 MiB tensor budget, and the same two
+keeping 8 query rows a step (``tensors-l0-rows8``, ``tensors-all-rows8``: format 4's
+``query_rows``).
 
 Per case it prints and writes (``--json``) the generate time and its ratio to the mode's and
 to default's untraced run, the request steps the trace recorded against the engine steps
@@ -60,17 +59,12 @@ MODES = ("default", "piecewise", "eager")
 CASES: dict[str, dict[str, Any] | None] = {
     "untraced": None,
     "metadata": {"layers": "first", "tensors": False},
-    # metadata with a writer thread handing the slots over (the default until session 10: the
-    # engine's own thread hands them over, tracer.ring.InlineWriter)
-    "metadata-process": {"layers": "first", "tensors": False},
     "tensors-l0": {"layers": (0,), "tensors": True, "budget_mb": 4096.0},
     "tensors-all": {"layers": "all", "tensors": True, "budget_mb": 4096.0},
     # format 4: 8 query rows a step kept (tracer.format.rows), the KV write log whole
     "tensors-l0-rows8": {"layers": (0,), "tensors": True, "budget_mb": 4096.0, "query_rows": 8},
     "tensors-all-rows8": {"layers": "all", "tensors": True, "budget_mb": 4096.0, "query_rows": 8},
 }
-#: Case -> ``PAGEDTRACE_*`` settings of its process (every other ``PAGEDTRACE_*`` is left out).
-CASE_ENV: dict[str, dict[str, str]] = {"metadata-process": {"PAGEDTRACE_WRITER": "process"}}
 #: Bytes per element of the activation dtypes a model may run in.
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 #: The untimed warm-up: a couple of short prompts outside the timed prefix.
@@ -190,7 +184,7 @@ def machine_name() -> str:
 def child(spec: dict[str, Any]) -> None:
     """Run one case (``spec``: workload, mode, case, trace dir, result file) and write its result."""
     import tracer
-    from tracer.loader import register_loader
+    from tracer.random_weights import register_loader
     from tracer.session import resolve_model
 
     w = Workload(**{**spec["workload"], "prompt_len": tuple(spec["workload"]["prompt_len"])})
@@ -403,11 +397,10 @@ def tokens_digest(outputs: list[list[list[int]]]) -> list[str]:
     return [hashlib.sha256(json.dumps(o).encode()).hexdigest()[:16] for batch in outputs for o in batch]
 
 
-def child_env(mode: str, case: str = "untraced") -> dict[str, str]:
+def child_env(mode: str) -> dict[str, str]:
     """The environment of a case: in-process engine, quiet, offline, no ``PAGEDTRACE_*`` from outside
-    but the case's own (:data:`CASE_ENV`)."""
+    (the case's tracer is configured through ``tracer.start``'s keywords alone)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDTRACE_")}
-    env.update(CASE_ENV.get(case, {}))
     env.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_NO_USAGE_STATS="1",
@@ -444,7 +437,7 @@ def run_case(w: Workload, mode: str, case: str, workdir: Path, timeout: float, k
                 [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=child_env(mode, case),
+                env=child_env(mode),
                 timeout=timeout,
             )
             if proc.returncode != 0:

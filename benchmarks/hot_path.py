@@ -1,10 +1,9 @@
 """What a metadata trace costs a launch-bound engine's thread, on CPU, without vLLM or a GPU.
 
 PIECEWISE on the H200 is bound by the engine's Python thread: every microsecond the tracer
-takes on it, and every microsecond a writer thread holds the GIL, lengthens the step. This
-script measures both on any machine, through the tracer's real wrappers, ring, hand-over (the
-engine's own thread by default, or a writer thread: ``--writers``) and record writer process: a
-stand-in engine step calls the runner wrapper, the
+takes on it, and every microsecond another of its threads holds the GIL, lengthens the step.
+This script measures both on any machine, through the tracer's real wrappers, ring, hand-over
+and record writer process: a stand-in engine step calls the runner wrapper, the
 ``set_forward_context`` wrapper and ``--layers`` attention ``forward`` wrappers, and between
 the layers does ``--ops`` small torch operations each (which release the GIL, as vLLM's
 launches do), so a step takes about as long as a PIECEWISE decode step of the benchmark
@@ -13,17 +12,15 @@ workload (~9.5 ms). The metadata is the shape of that workload's: ``--reqs`` req
 
 It is not vLLM: the step's own work is synthetic. It answers one question, how many
 microseconds per step the tracer adds to a thread that is busy with Python, so that a change
-to the hot path can be measured before it goes to the H200 (``scripts/h200_overhead_probe.py``
+to the hot path can be measured before it goes to the H200 (``benchmarks/gpu_overhead.py``
 measures the real engine).
 
     python benchmarks/hot_path.py [--steps 300] [--rounds 7] [--layers 28] [--ops 24] [--python-us 0]
-        [--writers inline,process] [--device cpu|cuda]
+        [--device cpu|cuda]
 
 ``--python-us N`` adds N µs of pure Python a layer, the GIL held throughout, as vLLM's own
 Python between launches holds it: a thread of the tracer that wants the GIL then makes the
-engine's thread wait (``--writers inline,inline@look,inline@off`` compares the inline writer's idle
-thread asleep on a timer the steps push ahead, looking 10 times a second, and absent:
-``PAGEDTRACE_IDLE``).
+engine's thread wait.
 
 Prints the untraced and traced step times (median of rounds, interleaved), the difference
 in µs per step, and the ratio (wall time: noisy on a small machine); the CPU time the tracer's
@@ -37,7 +34,6 @@ takes on CUDA (one packed copy), less the pinning and the CUDA event.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -49,7 +45,7 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
     import torch
 
     from tracer import wrappers
-    from tracer.hooks import Tracer
+    from tracer.install import Tracer
     from tracer.options import TracerOptions
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(args.layers)]
@@ -131,7 +127,7 @@ def _fake_engine(args: argparse.Namespace, directory: str | None):
     Impl.forward = wrappers.forward(t, attention_forward)  # type: ignore[attr-defined]
     Impl.forward.__pagedtrace_original__ = attention_forward  # type: ignore[attr-defined]  # as Tracer._patch
     exe = wrappers.runner(t, "execute_model")(execute_model)
-    t._thread = t._writer_thread()  # as Tracer.start makes it
+    t._handover = t._writer_thread()  # as Tracer.start makes it
     t.engine_loop_here()  # as LLM._run_engine says on the H200: the engine's own thread hands over, deferred
 
     @torch.inference_mode()
@@ -179,8 +175,8 @@ def _pass(args: argparse.Namespace, traced: bool, blocked: list[float] | None = 
         blocked.append((_blocked() - b0) / args.steps)
     if t is not None:
         t.drain()
-        t._thread.close()
-        t._sink.finish()
+        t._handover.close()
+        t._record_writer.finish()
         if t.error:
             raise SystemExit(t.error)
         lines = len(Path(directory, "steps.jsonl").read_text().splitlines())
@@ -219,8 +215,8 @@ def _measured_steps(args: argparse.Namespace, steps: int, around, after_step=Non
         if after_step is not None:
             after_step()
     t.drain()
-    t._thread.close()
-    t._sink.finish()
+    t._handover.close()
+    t._record_writer.finish()
 
 
 def tracer_cpu_per_step(args: argparse.Namespace, steps: int = 1000) -> float:
@@ -317,25 +313,9 @@ def python_opcodes_per_step(args: argparse.Namespace, steps: int = 400) -> dict[
     finally:
         sys.settrace(None)
     t.drain()
-    t._thread.close()
-    t._sink.finish()
+    t._handover.close()
+    t._record_writer.finish()
     return {k: n / steps for k, n in counts.most_common()}
-
-
-def _set_writer(kind: str | None) -> None:
-    """``PAGEDTRACE_WRITER`` (and, for ``inline@IDLE``, ``PAGEDTRACE_IDLE``) for ``kind``; None: unset both."""
-    os.environ.pop("PAGEDTRACE_WRITER", None)
-    os.environ.pop("PAGEDTRACE_IDLE", None)
-    os.environ.pop("PAGEDTRACE_DEFER", None)
-    if kind is None:
-        return
-    kind, nodefer, _ = kind.partition("+nodefer")
-    if nodefer:
-        os.environ["PAGEDTRACE_DEFER"] = "off"
-    writer, _, idle = kind.partition("@")
-    os.environ["PAGEDTRACE_WRITER"] = writer
-    if idle:
-        os.environ["PAGEDTRACE_IDLE"] = idle
 
 
 def main() -> None:
@@ -354,13 +334,6 @@ def main() -> None:
         help="µs of pure Python per layer besides the --ops (the GIL held, as in vLLM's own Python between launches)",
     )
     ap.add_argument(
-        "--writers",
-        default="inline,process",
-        help="PAGEDTRACE_WRITER settings to time against untraced (inline, the default; process; thread); "
-        "inline@IDLE: inline, its idle thread timer, look or off (PAGEDTRACE_IDLE); a +nodefer suffix: "
-        "each step its own copy and event (PAGEDTRACE_DEFER=off)",
-    )
-    ap.add_argument(
         "--device",
         default="cpu",
         help="where the stand-in's tensors live: cpu, or cuda (the tracer's CUDA path: pinned copies, "
@@ -370,16 +343,12 @@ def main() -> None:
     from tracer.format import parse_layers
 
     args.trace_layers = parse_layers(args.trace_layers)
-    writers = [w for w in args.writers.split(",") if w]
-    kinds = ["untraced", *writers]
+    kinds = ["untraced", "traced"]
     times: dict[str, list[float]] = {k: [] for k in kinds}
     blocked: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.rounds):
-        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:  # rotated: drift cancels
-            if kind != "untraced":
-                _set_writer(kind)
-            times[kind].append(_pass(args, kind != "untraced", blocked[kind]))
-            _set_writer(None)
+        for kind in kinds[r % 2 :] + kinds[: r % 2]:  # alternated: drift cancels
+            times[kind].append(_pass(args, kind == "traced", blocked[kind]))
     print(
         f"{args.layers} layers, {args.ops} ops and {args.python_us:g} µs of Python per layer, "
         f"{args.reqs} requests of {args.context} tokens, "
@@ -387,34 +356,23 @@ def main() -> None:
     )
     u = statistics.median(times["untraced"])
     print(f"untraced {u * 1e3:.3f} ms/step, engine thread blocked {statistics.median(blocked['untraced']):.2f}/step")
-    for w in writers:
-        t = statistics.median(times[w])
-        paired = statistics.median(b - a for a, b in zip(times["untraced"], times[w], strict=True))
-        print(
-            f"writer {w:8s} {t * 1e3:.3f} ms/step: {(t - u) * 1e6:+.1f} us/step (paired median "
-            f"{paired * 1e6:+.1f} us), {t / u:.3f}x; engine thread blocked {statistics.median(blocked[w]):.2f}/step"
-        )
-    for w in writers:
-        _set_writer(w)
-        cpu = statistics.median(tracer_cpu_per_step(args) for _ in range(3))
-        _set_writer(None)
-        print(
-            f"writer {w:8s} tracer CPU on the engine's thread: {cpu * 1e6:.1f} us/step (median of 3 x 1000 steps, "
-            "time.thread_time)"
-        )
-    for w in writers:
-        _set_writer(w)
-        ops = python_opcodes_per_step(args)
-        _set_writer(None)
-        calls = ops.pop(CALLS)
-        top = ", ".join(f"{name} {n:.0f}" for name, n in list(ops.items())[:5])
-        print(
-            f"writer {w:8s} tracer's Python on the engine's thread: {calls:.1f} calls, {sum(ops.values()):.0f} "
-            f"opcodes/step ({top}, ...)"
-        )
-    calls = torch_calls_per_step(args)
-    listed = ", ".join(f"{name} {n:g}" for name, n in calls.items())
-    print(f"torch calls on the engine's thread per step (median): {sum(calls.values()):g} ({listed})")
+    t = statistics.median(times["traced"])
+    paired = statistics.median(b - a for a, b in zip(times["untraced"], times["traced"], strict=True))
+    print(
+        f"traced   {t * 1e3:.3f} ms/step: {(t - u) * 1e6:+.1f} us/step (paired median "
+        f"{paired * 1e6:+.1f} us), {t / u:.3f}x; engine thread blocked {statistics.median(blocked['traced']):.2f}/step"
+    )
+    cpu = statistics.median(tracer_cpu_per_step(args) for _ in range(3))
+    print(f"tracer CPU on the engine's thread: {cpu * 1e6:.1f} us/step (median of 3 x 1000 steps, time.thread_time)")
+    ops = python_opcodes_per_step(args)
+    calls = ops.pop(CALLS)
+    top = ", ".join(f"{name} {n:.0f}" for name, n in list(ops.items())[:5])
+    print(
+        f"tracer's Python on the engine's thread: {calls:.1f} calls, {sum(ops.values()):.0f} opcodes/step ({top}, ...)"
+    )
+    torch_calls = torch_calls_per_step(args)
+    listed = ", ".join(f"{name} {n:g}" for name, n in torch_calls.items())
+    print(f"torch calls on the engine's thread per step (median): {sum(torch_calls.values()):g} ({listed})")
 
 
 if __name__ == "__main__":

@@ -63,9 +63,9 @@ from tracer.format import (
     step_in_range,
     write_side_file,
 )
-from tracer.format.kvlog import NotInWriteLog
 from tracer.format.layouts import LAYOUT_CPU_AMX
 from tracer.format.metadata import check_records
+from tracer.format.writelog import NotInWriteLog
 
 __all__ = [
     "KERNELS",

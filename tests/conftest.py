@@ -15,7 +15,21 @@ import pytest
 from tests.factories import QUERY_ROWS_KEPT, RUN_ARGS, run_engine
 
 # Builders and helpers (engine_env, run_engine, SITE, needs_vllm_sources, records, batches)
-# live in tests/factories.py: import them from there, never from this file.
+# live in tests/factories.py: import them from there. From this file, import only the committed
+# traces' paths: FIXTURES and fixture_path.
+
+#: The committed traces: ``h200-*`` made on an H200 by ``scripts/make_fixtures.py`` (docs/gpu.md),
+#: ``v1-minimal`` written by hand.
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def fixture_path(name: str) -> Path:
+    """The committed trace ``tests/fixtures/NAME``; a name not there fails at once, listing those that are."""
+    path = FIXTURES / name
+    if not path.is_dir():
+        there = ", ".join(sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()))
+        raise FileNotFoundError(f"no fixture {name!r} in {FIXTURES} (there are: {there})")
+    return path
 
 
 @pytest.fixture(scope="session")

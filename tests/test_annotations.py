@@ -30,6 +30,7 @@ from annotations.values import (
     split_kv_cache_summary,
     value_for,
 )
+from tests.conftest import fixture_path
 from tests.factories import SITE, kv_spec, model_summary, needs_vllm_sources, run_info, scheduled_step
 from tracer.format import (
     SOURCE_FILES,
@@ -313,7 +314,7 @@ def test_cpu_file_role_follows_the_recorded_layout():
 
 def test_split_kv_cache_on_the_h200_fa3_cache():
     """The committed H200 FA3 cache: (num_blocks, 4, 16, 256) bf16, NHD strides."""
-    spec = Trace.open(Path(__file__).parent / "fixtures" / "h200-qwen2.5-7b-eager").run.kv_cache
+    spec = Trace.open(fixture_path("h200-qwen2.5-7b-eager")).run.kv_cache
     assert spec.shape[1:] == (4, 16, 256) and spec.stride == (16384, 256, 1024, 1)
     run = make_run(spec)
     assert "x = 16 // 2 = 8" in value_for(_anchor("paged_attn.split_kv_cache.x"), None, run).text

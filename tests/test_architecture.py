@@ -1,4 +1,5 @@
-"""The shape of the house: every import in the packages points down, never sideways or up.
+"""The shape of the house: every import in the packages points down, never sideways or up, and
+no module imports one that imports it back.
 
 ::
 
@@ -10,12 +11,19 @@ Every ``.py`` file of the packages is parsed with :mod:`ast`; all of its imports
 module-level ones, function-level lazy ones, ``if TYPE_CHECKING:`` ones, relative ones and
 ``importlib.import_module("...")`` with a literal name. Nothing is imported, so the test runs
 on a machine without torch or vLLM.
+
+Rooms keep imports pointing down between packages; inside one, the import graph of the modules
+must have no cycle either (a lazy or ``TYPE_CHECKING`` import closes a circle as surely as a
+module-level one: it only hides it from the interpreter).
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import sys
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +59,8 @@ BOTTOM_LAYER_LAZY = frozenset(
     {
         ("tracer/format/store.py", "safetensors"),
         ("tracer/format/store.py", "torch"),
-        ("tracer/format/kvlog.py", "safetensors"),
-        ("tracer/format/kvlog.py", "torch"),
+        ("tracer/format/writelog.py", "safetensors"),
+        ("tracer/format/writelog.py", "torch"),
     }
 )
 
@@ -227,9 +235,116 @@ def tree_violations() -> list[Violation]:
     return out
 
 
+#: Module -> {first-party module it imports: 1-based line of the first such import}.
+ImportGraph = dict[str, dict[str, int]]
+
+
+def import_graph(sources: Mapping[str, str]) -> ImportGraph:
+    """The import graph of ``sources`` (path relative to the root -> text), every kind of import counted.
+
+    An import names the module it loads: ``from tracer.format import Trace`` the package
+    ``tracer.format``, ``from tracer.format.store import Trace`` the module. Python also runs
+    each parent package's ``__init__`` first; that edge is the interpreter's, not the file's,
+    and is not counted (a package importing its own submodules would otherwise close a cycle
+    with each of them).
+    """
+    modules = {module_name(path) for path in sources}
+    graph: ImportGraph = {}
+    for path, source in sources.items():
+        here = module_name(path)
+        edges = graph.setdefault(here, {})
+        for imp in imports_of(source, path):
+            target = imp.module
+            while target not in modules and "." in target:  # ``from reports.build import X``: X is no module
+                target = target.rpartition(".")[0]
+            if target in modules and target != here:
+                edges.setdefault(target, imp.line)
+    return graph
+
+
+def _tangles(graph: ImportGraph) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan), each sorted, in sorted order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                out.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def _shortest_cycle(graph: ImportGraph, members: list[str]) -> list[str]:
+    """A shortest cycle through the first of ``members`` (a tangle), as modules, first one repeated last."""
+    start, inside = members[0], set(members)
+    came_from: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        v = queue.popleft()
+        for w in sorted(graph[v]):
+            if w == start:
+                path = [v]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                return [*reversed(path), start]
+            if w in inside and w not in came_from:
+                came_from[w] = v
+                queue.append(w)
+    raise AssertionError(f"{members} is not a tangle")
+
+
+def import_cycles(sources: Mapping[str, str]) -> list[str]:
+    """One cycle per tangle of ``sources``' modules, each edge with the file and line that makes it.
+
+    E.g. ``tracer.format.a -> tracer.format.b -> tracer.format.a (tracer/format/a.py:3 imports
+    tracer.format.b; tracer/format/b.py:9 imports tracer.format.a)``.
+    """
+    path_of = {module_name(path): path for path in sources}
+    graph = import_graph(sources)
+    out = []
+    for members in _tangles(graph):
+        cycle = _shortest_cycle(graph, members)
+        edges = "; ".join(f"{path_of[a]}:{graph[a][b]} imports {b}" for a, b in itertools.pairwise(cycle))
+        out.append(f"{' -> '.join(cycle)} ({edges})")
+    return out
+
+
+def tree_sources() -> dict[str, str]:
+    """Every file of the packages: path relative to the root -> text."""
+    return {path: (ROOT / path).read_text(encoding="utf-8") for path in package_files()}
+
+
 def test_every_import_points_down():
     violations = tree_violations()
     assert not violations, "imports against the house's direction:\n" + "\n".join(map(str, violations))
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    cycles = import_cycles(tree_sources())
+    assert not cycles, "import cycles (each module imports the next):\n" + "\n".join(cycles)
 
 
 def test_the_packages_are_all_checked():
@@ -237,7 +352,7 @@ def test_the_packages_are_all_checked():
     assert len(files) > 20
     for expected in (
         "tracer/format/records.py",
-        "tracer/hooks.py",
+        "tracer/manifest.py",
         "reference_impl/kernel.py",
         "annotations/locate.py",
         "reports/viewmodel.py",
@@ -270,7 +385,7 @@ def test_every_room_has_a_row():
         ),
         ("annotations/x.py", "from reports.build import write_report\n", "annotations -> reports"),
         ("annotations/x.py", "import torch.nn\n", "annotations -> torch"),
-        ("tracer/format/records.py", "from tracer import hooks\n", "tracer.format -> tracer"),
+        ("tracer/format/records.py", "from tracer import install\n", "tracer.format -> tracer"),
         ("tracer/format/records.py", "from .. import session\n", "tracer.format -> tracer"),
         (
             "tracer/format/records.py",
@@ -287,11 +402,11 @@ def test_every_room_has_a_row():
             "def f():\n    import torch\n",
             "tracer.format -> torch (the bottom layer imports the standard library only)",
         ),
-        ("tracer/hooks.py", "from reference_impl.layouts import cpu_layout_for\n", "tracer -> reference_impl"),
-        ("tracer/hooks.py", "import vllm\n", "tracer -> vllm at module level (import it inside the hook installer)"),
+        ("tracer/install.py", "from reference_impl.layouts import cpu_layout_for\n", "tracer -> reference_impl"),
+        ("tracer/install.py", "import vllm\n", "tracer -> vllm at module level (import it inside the hook installer)"),
         (
             "tracer/__init__.py",
-            "from tracer.hooks import Tracer\n",
+            "from tracer.install import Tracer\n",
             "tracer -> tracer at module level of tracer/__init__.py",
         ),
         ("reference_impl/kernel.py", "from tracer.session import run_session\n", "reference_impl -> tracer"),
@@ -321,8 +436,11 @@ def test_the_checker_catches_a_forbidden_import(path, source, edge):
         ("tracer/format/store.py", "import json\ndef load():\n    from safetensors.torch import load_file\n"),
         ("tracer/format/store.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"),
         ("tracer/format/__init__.py", "from . import records\nfrom .records import RunInfo\n"),
-        ("tracer/hooks.py", "import torch\nfrom tracer.format import StepRecord\ndef install():\n    import vllm\n"),
-        ("tracer/__init__.py", "from tracer.format import Trace\ndef start():\n    from tracer.hooks import Tracer\n"),
+        ("tracer/install.py", "import torch\nfrom tracer.format import StepRecord\ndef install():\n    import vllm\n"),
+        (
+            "tracer/__init__.py",
+            "from tracer.format import Trace\ndef start():\n    from tracer.install import Tracer\n",
+        ),
         ("reference_impl/kernel.py", "import torch\nfrom reference_impl.common import cdiv\n"),
     ],
 )
@@ -332,8 +450,47 @@ def test_the_checker_lets_allowed_imports_pass(path, source):
 
 def test_relative_imports_are_resolved():
     found = imports_of(
-        "from . import records\nfrom ..hooks import Tracer\nfrom .store import Trace\n", "tracer/format/selection.py"
+        "from . import records\nfrom ..install import Tracer\nfrom .store import Trace\n", "tracer/format/selection.py"
     )
-    assert [i.module for i in found] == ["tracer.format.records", "tracer.hooks", "tracer.format.store"]
+    assert [i.module for i in found] == ["tracer.format.records", "tracer.install", "tracer.format.store"]
     found = imports_of("from .records import RunInfo\n", "tracer/format/__init__.py")
     assert [i.module for i in found] == ["tracer.format.records"]
+
+
+# The cycle finder, on synthetic sources.
+
+
+def test_the_cycle_finder_names_each_edge_of_a_cycle():
+    sources = {
+        "tracer/format/a.py": (
+            "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from tracer.format.b import B\n"
+        ),
+        "tracer/format/b.py": "import json\n\n\ndef f():\n    from .a import A\n",
+    }
+    assert import_cycles(sources) == [
+        "tracer.format.a -> tracer.format.b -> tracer.format.a "
+        "(tracer/format/a.py:4 imports tracer.format.b; tracer/format/b.py:5 imports tracer.format.a)"
+    ]
+
+
+def test_the_cycle_finder_follows_a_cycle_through_a_package_and_a_third_module():
+    sources = {
+        "reports/__init__.py": "from reports.build import build_report\n",
+        "reports/build.py": "from reports.pages import render\n",
+        "reports/pages.py": "from reports import build_report\n",
+        "reports/common.py": "from reports.pages import render\n",  # imports into the circle, not part of it
+    }
+    cycles = import_cycles(sources)
+    assert len(cycles) == 1
+    assert cycles[0].startswith("reports -> reports.build -> reports.pages -> reports (")
+
+
+def test_the_cycle_finder_does_not_count_a_parent_package_or_a_chain():
+    sources = {
+        "tracer/format/__init__.py": "from tracer.format.store import Trace\n",
+        "tracer/format/store.py": "from tracer.format.writelog import WriteLogReader\n",
+        "tracer/format/writelog.py": "from tracer.format.records import StepRecord\n",
+        "tracer/format/records.py": "import json\n",
+        "reports/build.py": "from tracer.format import Trace\nimport tracer.format.store\n",
+    }
+    assert import_cycles(sources) == []

@@ -18,9 +18,10 @@ from rich.console import Console
 
 from pagedtrace.cli import EXIT_CODES, main
 from pagedtrace.commands.run import build_kv_table, build_summary_table
+from tests.conftest import fixture_path
 from tracer.format import MANIFEST, STEPS, Trace
 
-FIXTURE = Path(__file__).parent / "fixtures" / "h200-qwen2.5-7b-eager"
+FIXTURE = fixture_path("h200-qwen2.5-7b-eager")
 README = Path(__file__).parent.parent / "README.md"
 
 #: What rich would read as a closing tag (a MarkupError) and as an OSC-8 terminal hyperlink.

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from pagedtrace.cli import main
 from reference_impl.trace_diff import output_differences
+from tests.conftest import FIXTURES
 from tests.factories import scheduled_step
 from tests.test_explain import write_trace
 from tracer.format import Trace
 from tracer.format.diff import diff_traces
 
-FIXTURES = Path(__file__).parent / "fixtures"
 H200 = FIXTURES / "h200-qwen2.5-7b-eager"
 
 

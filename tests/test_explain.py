@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from pagedtrace.cli import main
+from tests.conftest import fixture_path
 from tests.factories import kv_spec, model_summary, run_info, scheduled_step
 from tracer.format import SESSION, GapRecord, Trace, TraceWriter, write_side_file
 from tracer.format.prefix import explain_prefix_cache
 
-H200 = Path(__file__).parent / "fixtures" / "h200-qwen2.5-7b-eager"
+H200 = fixture_path("h200-qwen2.5-7b-eager")
 BS = 16
 
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from pagedtrace.cli import main
+from tests.conftest import FIXTURES
 from tracer.format import Trace
 from tracer.format.timeline import STEP_US, timeline
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def validate(data: dict) -> list[dict]:

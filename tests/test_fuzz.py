@@ -10,8 +10,8 @@ tensor, source and side file read. A secret planted beside the trace (text and a
 safetensors file) must never show up, and an audit hook checks that Python opens no file
 outside the copy.
 
-``PAGEDTRACE_FUZZ_N`` sets the number of cases (default 2,000: seconds), e.g. 10000 for the
-issue's run; the counts are printed (``pytest -s``).
+``PAGEDTRACE_FUZZ_N`` sets the number of cases (default 2,000: seconds), e.g. 10000 for a
+longer run; the counts are printed (``pytest -s``).
 """
 
 from __future__ import annotations

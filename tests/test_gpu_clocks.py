@@ -1,4 +1,4 @@
-"""The SM-clock reading side of ``benchmarks/gpu_clocks.py``: each step's clock, the full-clock steps."""
+"""The SM-clock reading side of ``lab/gpu_clocks.py``: each step's clock, the full-clock steps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.factories import load_script
 
 @pytest.fixture(scope="module")
 def gpu_clocks():
-    return load_script("benchmarks/gpu_clocks.py")
+    return load_script("lab/gpu_clocks.py")
 
 
 def test_load_samples_sorts_and_skips_a_cut_line(gpu_clocks, tmp_path):

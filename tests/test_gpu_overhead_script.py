@@ -154,12 +154,18 @@ def test_bench_compares_against_the_untraced_runs(bench):
     assert "**crashed** (exit 1)" in table[-1]
 
 
-def test_a_case_gets_its_own_writer_setting_and_no_other(bench, monkeypatch):
-    monkeypatch.setenv("PAGEDTRACE_WRITER", "thread")  # from outside: never reaches a case
+#: ``PAGEDTRACE_*`` names of alternatives the tracer does not have (``lab/README.md``): no benchmark sets them.
+EXPERIMENT_VARIABLES = ("WRITER", "HOST", "DEFER", "CHILD_READ", "IDLE", "EVENT_ON", "EVENT_WAIT", "RING_SLOTS")
+
+
+def test_no_case_sets_a_pagedtrace_variable(bench, monkeypatch):
+    """A case's tracer is configured by ``tracer.start``'s keywords alone: no ``PAGEDTRACE_*`` reaches it."""
+    monkeypatch.setenv("PAGEDTRACE_LAYERS", "all")  # from outside: never reaches a case
     monkeypatch.setenv("PAGEDTRACE_RING_SLOTS", "2")
-    process = bench.child_env("piecewise", "metadata-process")
-    assert process["PAGEDTRACE_WRITER"] == "process" and "PAGEDTRACE_RING_SLOTS" not in process
-    assert not any(k.startswith("PAGEDTRACE_") for k in bench.child_env("piecewise", "metadata"))
+    for mode in bench.MODES:
+        assert not any(k.startswith("PAGEDTRACE_") for k in bench.child_env(mode)), mode
+    source = BENCH.read_text()
+    assert not [v for v in EXPERIMENT_VARIABLES if f"PAGEDTRACE_{v}" in source]
 
 
 def test_bench_rejects_bad_flags_in_one_line(tmp_path):
@@ -266,7 +272,7 @@ def test_benchmark_cpu_invocation(tmp_path):
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
     flags = ["--model", "tiny", "--modes", "eager", "--prompts", "4", "--prompt-len", "20:40", "--max-tokens", "8"]
-    flags += ["--cases", "untraced,metadata,metadata-process,tensors-l0,tensors-all,tensors-l0-rows8"]
+    flags += ["--cases", "untraced,metadata,tensors-l0,tensors-all,tensors-l0-rows8"]
     proc = subprocess.run(
         [sys.executable, str(BENCH), *flags, "--batches", "2", "--json", str(out), "--md", str(md)],
         capture_output=True,
@@ -278,7 +284,7 @@ def test_benchmark_cpu_invocation(tmp_path):
     report = json.loads(out.read_text())
     assert report["vllm_version"] == "0.26.0" and report["machine"]
     cases = {c["case"]: c for c in report["cases"]}
-    assert list(cases) == ["untraced", "metadata", "metadata-process", "tensors-l0", "tensors-all", "tensors-l0-rows8"]
+    assert list(cases) == ["untraced", "metadata", "tensors-l0", "tensors-all", "tensors-l0-rows8"]
     assert all(c["mode"] == "eager" and c["crash"] is None for c in cases.values())
     for name, c in cases.items():
         assert c["tokens"]["generated"] == c["tokens"]["expected"] == 4 * 8 * 2
@@ -296,7 +302,7 @@ def test_benchmark_cpu_invocation(tmp_path):
         assert c["tokens"]["in_trace"] == c["tokens"]["expected"]
         assert set(c["cudagraph_steps"]) <= {"none", "unrecorded"}
         assert c["trace_bytes"] > 0
-        layers = {"metadata": 1, "metadata-process": 1, "tensors-l0": 1, "tensors-all": 2, "tensors-l0-rows8": 1}[name]
+        layers = {"metadata": 1, "tensors-l0": 1, "tensors-all": 2, "tensors-l0-rows8": 1}[name]
         assert c["layers"] == layers and c["layer_steps"] == layers * steps["recorded"]
         tensors = c["tensors"]
         if name.startswith("metadata"):
@@ -309,8 +315,8 @@ def test_benchmark_cpu_invocation(tmp_path):
     full, kept = (cases[c]["tensors"]["bytes_per_layer_step_by_name"] for c in ("tensors-l0", "tensors-l0-rows8"))
     assert kept["query"] < full["query"] and kept["kv_written"] == full["kv_written"] and "query_rows" in kept
     table = md.read_text().splitlines()
-    assert "vLLM 0.26.0" in table[0] and len(table) == 4 + 6
-    assert proc.stdout.count(" wall ") == 6  # one line per case, with its wall time
+    assert "vLLM 0.26.0" in table[0] and len(table) == 4 + 5
+    assert proc.stdout.count(" wall ") == 5  # one line per case, with its wall time
 
 
 @pytest.mark.engine

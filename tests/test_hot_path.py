@@ -26,11 +26,11 @@ ATTRIBUTE_READS = {"__get__", "numel", "dim", "is_contiguous", "data_ptr", "stri
 @pytest.mark.parametrize("deferred", [False, True])
 def test_a_metadata_step_makes_one_tensor_operation_on_the_engines_thread(monkeypatch, deferred):
     """One ``cat`` a step: on CPU straight into the memory the record process reads; deferred (as on
-    CUDA, ``capture.DEFER_ON_CPU``), into the device mirror, whose copy to the host and event come
+    CUDA, ``host_copies.DEFER_ON_CPU``), into the device mirror, whose copy to the host and event come
     once every few steps (the median step makes neither)."""
-    from tracer import capture
+    from tracer import host_copies
 
-    monkeypatch.setattr(capture, "DEFER_ON_CPU", deferred)
+    monkeypatch.setattr(host_copies, "DEFER_ON_CPU", deferred)
     hot_path = _hot_path()
     for layers in ("first", "all"):
         args = argparse.Namespace(
@@ -49,15 +49,13 @@ def test_a_steady_metadata_step_makes_few_python_calls_into_the_tracer(monkeypat
     """The tracer's Python on a steady decode step, counted (``hot_path.python_opcodes_per_step``).
 
     On the H200 host what a PIECEWISE metadata step costs the engine's thread is mostly this
-    Python (``benchmarks/results/h200-session19``). Session 20 cut its calls from 54 to 37-38 a
-    step (the wrappers, the step's start and end, the shared ring's take, the hand-over's
-    message); the bound holds them there, whatever the machine's speed.
+    Python. A steady step makes 37-38 calls (the wrappers, the step's start and end, the shared
+    ring's take, the hand-over's message); the bound holds them there, whatever the machine's speed.
     """
-    from tracer import capture
+    from tracer import host_copies
 
-    monkeypatch.setattr(capture, "DEFER_ON_CPU", deferred)
+    monkeypatch.setattr(host_copies, "DEFER_ON_CPU", deferred)
     hot_path = _hot_path()
-    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
     # Steps as long as the benchmark's (24 operations a layer, ~1 ms here): the record process then
     # keeps up, and every copy takes the shared ring (a declined one takes the slot's own buffer,
     # another path with other calls) however busy the machine is
@@ -66,5 +64,5 @@ def test_a_steady_metadata_step_makes_few_python_calls_into_the_tracer(monkeypat
     calls = counts.pop(hot_path.CALLS)
     assert 20 <= calls <= 40, counts
     # every step reaches the step's end, its one capture and the hand-over's message
-    for name in ("hooks:_end_request_step", "hooks:_capture", "sink:send_slot"):
+    for name in ("capture:_end_request_step", "capture:_capture", "record_writer:send_slot"):
         assert counts.get(name, 0) > 0, (name, counts)

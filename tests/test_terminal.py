@@ -24,12 +24,13 @@ from rich.console import Console
 
 from pagedtrace.cli import COMMANDS, build_parser, main
 from pagedtrace.terminal import PIPED_WIDTH, Elided, PlainFile, elide, elide_passing
+from tests.conftest import fixture_path
 from tests.factories import engine_env, kv_spec, model_summary, run_info, scheduled_step, with_sources_of
 from tracer.format import Trace, TraceWriter, parse_layers, parse_steps
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "h200-qwen2.5-7b-eager"
-GEMMA = ROOT / "tests" / "fixtures" / "h200-gemma2-softcap-window"  # two layers, L0 and L1
+FIXTURE = fixture_path("h200-qwen2.5-7b-eager")
+GEMMA = fixture_path("h200-gemma2-softcap-window")  # two layers, L0 and L1
 
 
 def _piped(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:

@@ -37,12 +37,13 @@ from reference_impl.testing import (
     load_cases,
     load_kernel,
 )
+from tests.conftest import fixture_path
 from tracer.format import ReplayReport, StepResult, TraceError
 
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
-H200 = ROOT / "tests" / "fixtures" / "h200-qwen2.5-7b-eager"
+H200 = fixture_path("h200-qwen2.5-7b-eager")
 
 
 # --------------------------------------------------------------------------- kernels under test
@@ -392,7 +393,7 @@ def test_load_kernel_module_that_fails_to_import(tmp_path):
 
 
 def test_plugin_end_to_end_in_a_fresh_process(tmp_path):
-    """The command the README gives, run as a user would: the reference kernel passes."""
+    """The command docs/kernels.md gives, run as a user would: the reference kernel passes."""
     proc = subprocess.run(
         [
             sys.executable,

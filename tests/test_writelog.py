@@ -17,9 +17,9 @@ import torch
 
 from tests.factories import RUN_ARGS, engine_env, run_engine
 from tracer.format import Trace
-from tracer.format.kvlog import verify_write_log
 from tracer.format.layouts import describe_layout, token_elements
-from tracer.ring import Slot, SlotPool, WriterThread
+from tracer.format.writelog import verify_write_log
+from tracer.handover import Slot, SlotPool, WriterThread
 from tracer.writelog import WriteLog, clone_read_blocks, gather_written, geometry_of
 
 # -- the ring ------------------------------------------------------------------------------

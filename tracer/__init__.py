@@ -47,7 +47,7 @@ def start(
     ``tracer.format.rows.sample_rows``; the KV write log stays whole, so replay judges each kept
     row over its full context.
     """
-    from tracer.hooks import Tracer
+    from tracer.install import Tracer
     from tracer.options import TracerOptions
 
     options = TracerOptions(
@@ -64,7 +64,7 @@ def start(
 
 def stop() -> None:
     """Stop the tracer active in this process, if any."""
-    from tracer.hooks import active
+    from tracer.install import active
 
     t = active()
     if t is not None:

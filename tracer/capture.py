@@ -1,429 +1,363 @@
-"""What one step queues on the hot path: host copies of the metadata, record fields, tensor clones.
+"""What a step captures: each traced layer's metadata, and for tensor steps its tensors.
 
-Called by ``tracer.hooks`` at the end of a runner step (metadata) and in ``forward`` (tensors);
-nothing here waits for the device. A KV-cache group's four metadata tensors (``slot_mapping``,
-``query_start_loc``, ``seq_lens``, the block-table columns read) cost one device-to-host copy
-a step: :func:`pack_host_copies` packs them on the device into one int32 tensor, which one
-non-blocking copy moves into a pinned host buffer: a stretch of the memory the record writer
-process maps (``tracer.shared_host``), so the message to it names the place, or else the ring
-slot's own buffer (``tracer.ring.Slot``), whose bytes the message carries; a tensor trace's
-writer thread cuts it into the four host views before it reads them. Every CUDA call and tensor operation here costs the
-engine's thread microseconds (a copy ~35 µs on the H200 under vLLM), hence one copy, not
-four, and a metadata step's tensors copied as the runner gave them when they are small (no
-slicing on the engine's thread, no kernel to flatten a column slice; the writer keeps the
-step's rows). A CPU engine takes the same path without pinning; a dtype other than
-int32 / int64 is copied tensor by tensor (``Slot.host``). Tensor clones stay on the device
-until the writer thread (``tracer.sink``) takes them. The fields of a layer that never change
-(scale, soft-cap, heads, the backend's window) are read once into its ``LayerStatic``; the
-fields of a step's metadata are read once for the layers that share it.
+:class:`Capture` adds to the per-step state (``tracer.steps``) what the wrappers call as a step
+runs and ends. A request step is recorded where the model runner ends it, so every step has a
+record whatever the CUDA-graph mode: a full graph replays without calling Python ``forward``,
+but the runner still builds that step's attention metadata. At the end of ``execute_model``
+(:meth:`Capture._end_request_step`) the tracer reads it (the V1 runner passes it to
+``set_forward_context``; the V2 runner keeps it in ``execute_model_state``, and
+``dispatch_cg_and_sync_dp`` says which graph ran) and queues one non-blocking copy of its
+tensors per KV-cache group into the step's ring slot (``tracer.host_copies``).
+
+``forward`` / ``do_kv_cache_update`` add what only they see (:meth:`Capture._on_forward`): the
+query's dtype, and for tensor steps device-side clones of query / output / key / value plus the
+KV write log's gathers (``tracer.writelog``). Warm-up and profile passes are recorded from
+``forward``. While the runner captures CUDA graphs no host copy is made: vLLM captures in
+global mode, where any thread's sync aborts the capture.
+
+Tensors of full-graph steps: while vLLM captures a full graph, ``forward`` and
+``do_kv_cache_update`` of a traced layer add device-to-device copies of query / output / key /
+value into buffers the tracer owns (``tracer.graph_copies``). The copies become part of the graph,
+so every replay leaves its step's tensors there; the end of the runner's step (outside the
+graph, on the same stream, before the next replay) clones the real rows like any other tensor
+step. A graph captured before the tracer started has no such copies: its steps carry metadata
+only, and the tracer says so once (:data:`FULL_GRAPH_TENSORS`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import types
 from typing import Any
 
-from tracer.manifest import kv_layout_of
-from tracer.pending import LayerStatic
-from tracer.ring import Slot
-from tracer.shared_host import SharedHost
-from tracer.writelog import clone_read_blocks, columns_read, gather_written, geometry_of
+from tracer.engine_state import capturing, is_warmup_batch
+from tracer.format import first_line, layer_index
+from tracer.host_copies import layer_fields, queue_host_copies, step_fields, tensor_clones
+from tracer.layer_capture import LayerCapture, LayerStatic, capture_scales, dtype_name
+from tracer.steps import NOT_NOW, Steps
 
-__all__ = [
-    "AS_GIVEN_MAX",
-    "Packed",
-    "PackedViews",
-    "forget_plans",
-    "layer_fields",
-    "metadata_parts",
-    "pack_host_copies",
-    "queue_host_copies",
-    "read_columns",
-    "step_fields",
-    "tensor_clones",
-]
+__all__ = ["FULL_GRAPH_TENSORS", "Capture"]
 
-#: A metadata step copies its metadata tensors as the runner gave them (no slicing on the engine's
-#: thread, no kernel to flatten a block-table column slice) while each holds at most this many
-#: ids: 256 KiB of int32 at most, a few µs of the copy engine's time.
-AS_GIVEN_MAX = 64 * 1024
-
-#: Deferred copies on a CPU engine too (tests: the mirror is then host memory, moved by a plain
-#: copy, so that a CPU run can show every deferred step reaches the record process). On CPU a
-#: step's copy is otherwise packed straight into the shared memory (nothing to defer).
-DEFER_ON_CPU = False
+#: The one line said when tensors are asked for but a full CUDA graph was captured without the tracer's copies.
+FULL_GRAPH_TENSORS = (
+    "pagedtrace: steps replayed as full CUDA graphs captured before the tracer started carry metadata only; "
+    "start the tracer before the engine (or use cudagraph_mode PIECEWISE) for tensors of every step"
+)
 
 
-@dataclass
-class Packed:
-    """How one packed copy's host buffer is cut: its parts in buffer order, each ``width`` int32 wide."""
-
-    host: Any  #: the int32 host tensor the copy fills (a view of the slot's buffer)
-    order: tuple[str, ...]
-    widths: tuple[int, ...]
-    like: dict[str, tuple[Any, tuple[int, ...]]]  #: part -> (dtype, shape), in the caller's order
-    trim: dict[str, int]  #: part -> leading rows its view keeps (all when absent)
-    #: block-table columns the step reads, when the copy holds every column (``as_given``): the
-    #: record process is sent these only (``tracer.writer_process.host_message``)
-    cols: int | None = None
-    #: byte offset of ``host`` in the memory the record process maps (``tracer.shared_host``):
-    #: the message names it instead of carrying the bytes; None: the slot's own buffer
-    shared: int | None = None
-    #: what the message makes of a copy cut this way, kept for the next step cut the same way
-    #: (``tracer.writer_process.host_message``); one per plan
-    memo: dict[Any, Any] | None = None
+def _scheduled(args: tuple, kwargs: dict) -> tuple[Any, int]:
+    """A runner call's ``scheduler_output`` and its ``total_num_scheduled_tokens`` (0 where it has none)."""
+    sched = args[0] if args else kwargs.get("scheduler_output")
+    return sched, int(getattr(sched, "total_num_scheduled_tokens", 0) or 0)
 
 
-class PackedViews(dict):
-    """The host views of one packed copy: empty until the writer thread fills them (``Slot.make_views``).
+class Capture(Steps):
+    """The per-step state, plus what each step records: its layers' metadata, gaps and tensors."""
 
-    ``packed`` says how the buffer is cut, so that the writer can send the buffer to the record
-    writer process as it is, without making any view (``tracer.writer_process.host_message``).
-    """
+    def _on_forward(self, impl, layer, query, kv_cache, attn_metadata, output) -> None:
+        name = getattr(layer, "layer_name", "") or f"layer{id(layer)}"
+        if self._depth == 1 and self._phase[-1] == "request" and attn_metadata is not None:
+            # A request step, recorded when the runner's step ends; forward adds the query's dtype
+            # and the tensors. Every layer passes here each step: layers not traced return at once.
+            self._model_ran = True
+            if not self._wants(name):
+                if not self._selected(name):
+                    # Every later request step too: from now on the wrapper returns at once (each
+                    # layer's forward runs once a step, so a per-step mark would never be read),
+                    # and once a traced layer has run, vLLM calls the layer's own forward.
+                    self.never_traced[name] = True
+                    if impl is not None:
+                        self._to_bypass.append(impl)
+                return
+            if self._layer_locked is None and self.options.layers == "first":
+                self._layer_locked = name
+            static = self._static.get(name)
+            if static is None or static.kv_cache is not kv_cache:
+                static = self._static_of(name, impl, layer, kv_cache)
+                assert static is not None
+            static.query_dtype = dtype_name(query.dtype)
+            self._fwd_md[name] = attn_metadata
+            if self.options.tensors and self._wants_tensors():
+                self._capture_tensors(static, query, attn_metadata, output)
+            return
+        static = self._static_of(name, impl, layer, kv_cache)
+        if static is not None:
+            static.query_dtype = dtype_name(query)
+        if name in self._seen_layers:
+            # The same layer again without a runner step around it: a new forward pass
+            # (the V2 runner's CUDA-graph warm-up and capture loop calls the model directly).
+            self._end_pass()
+            self._begin_step()
+        self._seen_layers.add(name)
+        self._model_ran = True
+        if attn_metadata is None:
+            # Profile runs build no attention metadata: vLLM skips attention itself.
+            if self._gap_noted_step != self.step:
+                self._gap_noted_step = self.step
+                kind = self._kind()
+                why = "profile run" if kind == "profile" else "warm-up pass"
+                self._record_gap(kind, f"attn_metadata is None: vLLM skips attention in this {why}", 0)
+            self._seen_in_step = True
+            return
+        if self.stages(name):  # a full graph being captured: its replays copy query / output out
+            self._graph_copies.stage(name, {"query": query, "output": output}, kv_cache, self.capture_capacity())
+        if not self._wants(name):
+            return
+        if self.options.layers == "first" and self._layer_locked is None:
+            self._layer_locked = name
+        self._seen_in_step = True
+        if self._in_capture or capturing():
+            if self._gap_noted_step != self.step:
+                self._gap_noted_step = self.step
+                why = (
+                    "cuda-graph-capture: no copies allowed while capturing"
+                    if capturing()
+                    else "cuda-graph-capture: a warm-up pass of capture_model (the tracer stays off the device "
+                    "while graphs are captured)"
+                )
+                self._record_gap(self._kind(), why, int(attn_metadata.num_actual_tokens))
+            return
+        assert static is not None
+        md = attn_metadata
+        num_reqs = int(md.seq_lens.shape[0])
+        self._capture(static, md, num_reqs, int(md.num_actual_tokens), self._req_ids(num_reqs), "none", None)
 
-    packed: Packed
+    def _capture_tensors(self, static: LayerStatic, query, md, output) -> None:
+        """Device-side clones for a tensor step (queued on the stream: no host sync)."""
+        kv_in = self._kv_inputs.pop(static.name, None) or {}
+        n = int(md.num_actual_tokens)
+        self._step_tensors[static.name] = tensor_clones(static, query, md, output, kv_in, n, int(md.seq_lens.shape[0]))
 
-    def __call__(self) -> None:
-        """Fill the views (``Slot.make_views`` calls it: one object a step, no ``functools.partial``)."""
-        _fill_views(self)
+    def _capture(
+        self,
+        static: LayerStatic,
+        md: Any,
+        num_reqs: int,
+        num_tokens: int,
+        req_ids: tuple[str, ...],
+        cudagraph: str,
+        padded: int | None,
+        *,
+        kind: str | None = None,
+        tensors: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue one layer's record of this step into the slot (host copies, no sync)."""
+        slot = self._slot or self._step_slot()
+        payload = slot.payload
+        hosts = payload["hosts"]
+        shared = hosts.get(id(md))  # the layers of one KV-cache group share their metadata
+        if shared is None:
+            # A metadata trace copies the runner's tensors as given when small (the writer cuts the
+            # step's rows; the records cut each row to the blocks it uses), into memory the record
+            # process reads when it can. A tensor trace's table is as wide as its clone of the blocks read.
+            host = queue_host_copies(
+                slot,
+                md,
+                num_reqs,
+                num_tokens,
+                tensors["cols"] if tensors else None,
+                as_given=not self.options.tensors,
+                shared=self._record_writer.shared_host(),
+                block_size=static.block_size,
+                defer=self._defer,
+            )
+            shared = hosts[id(md)] = (host, step_fields(md, num_tokens, cudagraph, padded))
+        host, metadata = shared
+        if static.fields is None:
+            layer_fields(static)
+        scales = None
+        if static.scales is None or getattr(static.module, "calculate_kv_scales", False):
+            scales = capture_scales(static.module)
+        capture_kind = kind or (self._phase[-1] if self._phase else "request")
+        if capture_kind == "request":
+            asked = self._warmup_asked  # ``is_warmup_batch``, asked once for the same tuple (a decode step's)
+            if asked is None or asked[0] is not req_ids:
+                asked = self._warmup_asked = (req_ids, is_warmup_batch(req_ids))
+            if asked[1]:
+                capture_kind = "warmup"  # the V2 runner warms up through execute_model with fake requests
+        reset = False
+        if tensors is not None:
+            reset = not self._log_valid.get(static.name, False)
+            self._log_valid[static.name] = True
+            self._logged_now.add(static.name)
+            for value in tensors.values():
+                if hasattr(value, "element_size"):
+                    self._pool.hold(slot, value.numel() * value.element_size())
+        slot.queued = True  # the step's event, recorded when the slot is handed over, comes after these
+        payload["captures"].append(
+            LayerCapture(self.step, capture_kind, static, metadata, host, req_ids, scales, tensors, reset)
+        )
 
+    def _req_ids(self, num_reqs: int) -> tuple[str, ...]:
+        ids: Any = self._v2_req_ids
+        if ids is None and (not self._phase or self._phase[-1] == "request"):  # ``_kind()``
+            batch = getattr(self._runner, "input_batch", None)
+            ids = getattr(batch, "req_ids", None)
+        if ids is None:
+            return ("",) * num_reqs
+        given = tuple(ids)
+        made = self._ids_made
+        if made is not None and len(made[1]) == num_reqs and made[0] == given:
+            return made[1]  # a decode step's batch is the last step's (the same strings: compared by identity)
+        out = tuple(map(str, given[:num_reqs]))
+        out += ("",) * (num_reqs - len(out))
+        self._ids_made = (given, out)
+        return out
 
-def read_columns(md: Any, block_size: int) -> int:
-    """Block-table columns the step of ``md`` reads (the same columns ``clone_read_blocks`` copies)."""
-    return columns_read(md.block_table, int(md.max_seq_len), block_size)
+    def _end_step(
+        self, method: str, kind: str, runner: Any, args: tuple, kwargs: dict, raised: BaseException | None = None
+    ) -> None:
+        self.untraced_now = NOT_NOW  # the fast path holds inside request steps only
+        if raised is not None:
+            self._end_raised_step(method, kind, args, kwargs, raised)
+            return
+        try:
+            if self._to_bypass and self._fwd_md:
+                self._bypass_untraced()
+            if method == "execute_model" and kind == "request":
+                self._end_request_step(runner, args, kwargs)
+                if not self._idle_decided:
+                    self._decide_idle()
+            elif not self._seen_in_step and kind == "profile" and self._in_range:
+                self._record_gap(kind, "profile run: vLLM skips attention", 0)
+            if self._log_valid or self._logged_now:  # a tensor trace's write logs (else nothing to end)
+                self._end_pass()
+            if self._slot is not None:
+                self._submit_slot()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
+            self._drop_slot()
 
+    def _end_raised_step(self, method: str, kind: str, args: tuple, kwargs: dict, raised: BaseException) -> None:
+        """vLLM's step raised (its error goes on to the caller): a gap says so, in place of the step's records.
 
-def queue_host_copies(
-    slot: Slot,
-    md: Any,
-    num_reqs: int,
-    num_tokens: int,
-    cols: int | None,
-    *,
-    as_given: bool = False,
-    shared: SharedHost | None = None,
-    block_size: int = 0,
-    defer: bool = False,
-) -> dict[str, Any]:
-    """Copies of the step's metadata tensors into ``slot`` (non-blocking on CUDA); the host views they fill.
+        What the step captured before the error is dropped: its layers ran only in part. Some may
+        have written the cache meanwhile, so every layer's write log starts again (its next tensor
+        step stores the blocks it reads whole).
+        """
+        self._drop_slot()
+        self._step_tensors = {}  # the layers' clones, freed now rather than at the next step
+        for name in self._log_valid:
+            self._log_valid[name] = False
+        if kind not in ("request", "profile") or not self._in_range:
+            return
+        _, num_tokens = _scheduled(args, kwargs)
+        message = first_line(raised, 200)
+        reason = f"step-raised: vLLM's {method} raised {type(raised).__name__}" + (f": {message}" if message else "")
+        try:
+            self._record_gap(kind, reason, num_tokens)
+            self._submit_slot()
+        except Exception as exc:  # noqa: BLE001 - vLLM's error is the one the caller must see
+            self._fail(f"pagedtrace: recording failed ({exc!r}); tracing stops, the engine runs on")
+            self._drop_slot()
 
-    One copy (:func:`pack_host_copies`: the writer thread makes the views, or sends the packed
-    buffer as it is), on CUDA and CPU alike; one per tensor for an unexpected dtype (the views
-    are made here). ``as_given``: copy the metadata's tensors as the runner gave them, when
-    they are small (padded rows, every block-table column; see :func:`metadata_parts`), and
-    leave the cutting to the step's rows to the writer: each slice is one more tensor operation
-    on the engine's thread (~15 µs apiece on the H200 host under vLLM), the copy engine's few
-    extra kilobytes cost it nothing. The views are the step's rows either way.
+    def _end_request_step(self, runner: Any, args: tuple, kwargs: dict) -> None:
+        sched, num_tokens = _scheduled(args, kwargs)
+        if not self._in_range:
+            self._model_ran = self._model_ran or num_tokens > 0
+            return
+        if num_tokens == 0:
+            if sched is not None and hasattr(sched, "total_num_scheduled_tokens"):
+                # Counted as a step, but the runner returned before the model ran: the
+                # scheduler only passed finished request ids (after requests finish; the
+                # V2 runner's warm-up cleanup). Without a gap its number would be unexplained.
+                finished = tuple(sorted(str(r) for r in getattr(sched, "finished_req_ids", ()) or ()))
+                self._record_gap(
+                    "warmup" if is_warmup_batch(finished) else "request",
+                    f"empty-step: no tokens scheduled; execute_model returned without running the model "
+                    f"({len(finished)} finished request(s) freed)",
+                    0,
+                )
+            return
+        self._model_ran = True
+        num_reqs = len(getattr(sched, "num_scheduled_tokens", None) or ())
+        md_by_layer, cudagraph, padded = self._step_metadata(runner)
+        if not md_by_layer:
+            self._record_gap("request", "no-metadata: the runner kept no attention metadata for this step", num_tokens)
+            return
+        req_ids = self._req_ids(num_reqs)
+        names = self._wanted_of(md_by_layer)
+        full_tensors = False
+        known = self._static
+        for name in names:
+            static = known.get(name) or self._static_of(name)
+            if static is None:
+                continue
+            md = md_by_layer[name]
+            tensors = self._step_tensors.pop(name, None) if self._step_tensors else None
+            if (
+                tensors is None
+                and self.options.tensors
+                and name not in self._fwd_md
+                and cudagraph != "none"
+                and self._wants_tensors()
+            ):
+                # forward() did not run for this layer: its attention replayed inside a graph (a full
+                # one, or a breakable PIECEWISE one that captures attention too)
+                staged = self._graph_copies.get(name, padded, static.kv_cache)
+                if staged is None:
+                    full_tensors = True
+                else:  # the graph's copies of this replay: clone the real rows, as forward() does
+                    kv_in = {"slot_mapping": md.slot_mapping[:num_tokens]}
+                    kv_in.update({k: staged[k][:num_tokens].clone() for k in ("key", "value") if k in staged})
+                    tensors = tensor_clones(static, staged["query"], md, staged["output"], kv_in, num_tokens, num_reqs)
+            self._capture(static, md, num_reqs, num_tokens, req_ids, cudagraph, padded, tensors=tensors)
+        if full_tensors:
+            self._warn_once(FULL_GRAPH_TENSORS)
 
-    ``shared``: the packed copy goes into a stretch of the memory the record writer process maps,
-    when it has room (``SharedHost.take``); ``defer``: through its device mirror
-    (:func:`pack_host_copies`). ``cols`` None: the block-table columns the step reads are worked
-    out (``read_columns``, with ``block_size``) only where they are needed: to cut the table on
-    the device, or to send fewer bytes from the slot's own buffer. A copy into shared memory
-    needs them in neither way (the record process cuts every row to its blocks). A step whose
-    four tensors are the memory, shapes and strides of an earlier step copied as given takes
-    that step's plan at once (:data:`_STEADY`).
-    """
-    key = str(len(slot.payload["hosts"]))
-    steady = None
-    if as_given and shared is not None:
-        # A decode step of a batch size seen before: the runner's tensors are views of the same
-        # memory, shape and strides as an earlier step's, whose plan says the rest (they fit, how
-        # they flatten). One flat key of a few attribute reads, no dicts, no slicing.
-        bt, sm, sl, qs = md.block_table, md.slot_mapping, md.seq_lens, md.query_start_loc
-        steady = (
-            bt.data_ptr(), bt.shape, bt.stride(), bt.dtype,
-            sm.data_ptr(), sm.shape, sm.stride(), sm.dtype,
-            sl.data_ptr(), sl.shape, sl.stride(), sl.dtype,
-            qs.data_ptr(), qs.shape, qs.stride(), qs.dtype,
-        )  # fmt: skip
-        plan = _STEADY.get(steady)
-        if plan is not None:
-            rows = {
-                "query_start_loc": num_reqs + 1,
-                "seq_lens": num_reqs,
-                "block_table": num_reqs,
-                "slot_mapping": num_tokens,
-            }  # what metadata_parts says of tensors copied as given
-            return _pack(slot, plan, plan.pin, rows, None, shared, defer, name=key)
-    as_given = as_given and _fits_as_given(md)
-    if cols is None and not (as_given and shared is not None):
-        cols = read_columns(md, block_size)
-    parts, trim = metadata_parts(md, num_reqs, num_tokens, cols or 0, as_given=as_given, checked=True)
-    plan = _plan_of(parts)
-    if plan is not None:
-        if steady is not None and as_given and plan is _PLANS.get(plan.key):  # views of the runner's memory: kept
-            if len(_STEADY) >= _PLANS_MAX:
-                del _STEADY[next(iter(_STEADY))]
-            _STEADY[steady] = plan
-        return _pack(slot, plan, plan.pin, trim, cols if trim else None, shared, defer, name=key)
-    views = {name: slot.host(key + name, src) for name, src in parts.items()}
-    return {name: view[: trim[name]] for name, view in views.items()} if trim else views
+    def _wanted_of(self, md_by_layer: dict[str, Any]) -> list[str]:
+        """The layers of a request step's metadata to record (the step is in range), in its order.
 
+        The same every step for the same layers: kept, with the layer ``"first"`` locked on.
+        """
+        if self._record_writer.failed:
+            return []
+        key = (tuple(md_by_layer), self._layer_locked)
+        if self._names_cache is not None and self._names_cache[0] == key:
+            return self._names_cache[1]
+        names = [n for n in key[0] if self._selected(n)]
+        if self.options.layers == "first" and self._layer_locked is None and names:
+            self._layer_locked = min(names, key=lambda n: (layer_index(n) is None, layer_index(n) or 0, n))
+            names = [self._layer_locked]
+            key = (key[0], self._layer_locked)
+        self._names_cache = (key, names)
+        return names
 
-def metadata_parts(
-    md: Any, num_reqs: int, num_tokens: int, cols: int, *, as_given: bool = False, checked: bool = False
-) -> tuple[dict[str, Any], dict[str, int] | None]:
-    """``md``'s tensors to copy (device views), and the rows of each that are the step's.
+    def _step_metadata(self, runner: Any) -> tuple[dict[str, Any], str, int | None]:
+        """This step's attention metadata per layer, how it ran, and its padded size."""
+        md: Any = None
+        cudagraph, padded = "none", None
+        if self._fc is not None:
+            md, cudagraph, padded = self._fc
+        if md is None:  # the V2 runner replays full graphs without set_forward_context
+            state = getattr(runner, "execute_model_state", None)
+            md = getattr(state, "attn_metadata", None)
+            if self._dispatch is not None:
+                cudagraph, padded = self._dispatch
+        if isinstance(md, list):  # micro-batched (DBO): not recorded from the runner
+            md = None
+        if not md:
+            md = self._fwd_md
+        # read only: the runner's own dict for this step (a new one each step), or forward's
+        return md if type(md) is dict else dict(md), cudagraph, padded
 
-    By default the step's rows themselves (no trim). ``as_given``: each tensor as ``md`` holds
-    it (sized for the padded batch), every block-table column, with the number of leading rows
-    that are the step's; a tensor larger than :data:`AS_GIVEN_MAX` elements is cut here as by
-    default (``checked``: the caller has made sure none is).
-    """
-    wanted = {
-        "query_start_loc": num_reqs + 1,
-        "seq_lens": num_reqs,
-        "block_table": num_reqs,
-        "slot_mapping": num_tokens,
-    }
-    if as_given and (checked or _fits_as_given(md)):
-        return {
-            "query_start_loc": md.query_start_loc,
-            "seq_lens": md.seq_lens,
-            "block_table": md.block_table,
-            "slot_mapping": md.slot_mapping,
-        }, wanted
-    return {
-        "query_start_loc": md.query_start_loc[: num_reqs + 1],
-        "seq_lens": md.seq_lens[:num_reqs],
-        "block_table": md.block_table[:num_reqs, :cols],
-        "slot_mapping": md.slot_mapping[:num_tokens],
-    }, None
+    def _bypass_untraced(self) -> None:
+        """Give the layers no step traces vLLM's own ``forward`` back, on their impl objects.
 
-
-def _fits_as_given(md: Any) -> bool:
-    """Every metadata tensor of ``md`` is small enough to copy as the runner gave it (:data:`AS_GIVEN_MAX`)."""
-    return (
-        md.block_table.numel() <= AS_GIVEN_MAX
-        and md.slot_mapping.numel() <= AS_GIVEN_MAX
-        and md.seq_lens.numel() <= AS_GIVEN_MAX
-        and md.query_start_loc.numel() <= AS_GIVEN_MAX
-    )
-
-
-def pack_host_copies(
-    slot: Slot,
-    name: str,
-    parts: dict[str, Any],
-    *,
-    pin: bool,
-    trim: dict[str, int] | None = None,
-    cols: int | None = None,
-    shared: SharedHost | None = None,
-    defer: bool = False,
-) -> dict[str, Any] | None:
-    """Queue ``parts`` (int32 / int64 tensors of one device) into ``slot`` with one copy.
-
-    On their device one ``torch.cat`` packs the parts, flattened, into one int32 tensor (a
-    non-contiguous part, a block-table slice, costs one more kernel to flatten). An int64 part
-    travels as int32 pairs, so no value is narrowed; the int64 parts go first, so each starts at
-    an even offset and its host view is a ``view(torch.int64)``. The packed tensor comes from the
-    caching allocator: its memory is reused only by work queued after the copy out of it, on
-    the same stream. One copy (non-blocking when ``pin``) moves it into the slot's host buffer
-    ``name`` (pinned when ``pin``; reused, and grown when a step needs more).
-
-    Returns a :class:`PackedViews` that :meth:`Slot.make_views` (the writer thread, before it
-    reads them) fills with the host views, one per part, of its shape and dtype, in ``parts``'
-    order; they hold the values once the slot's event has fired (at once without ``pin``).
-    Making them is left to the writer because each tensor operation costs the engine's thread
-    microseconds; the record writer process gets the buffer itself (``PackedViews.packed``).
-    ``trim``: part -> how many leading rows the views keep (``metadata_parts``' ``as_given``);
-    ``cols``: then, the block-table columns the step reads (``Packed.cols``). ``shared``: the host
-    buffer is a stretch of the record process's memory when there is room (``Packed.shared``);
-    ``defer`` (CUDA): packed into that memory's device mirror, the one device call of the step,
-    and moved to the host with other steps' later (``SharedHost.flush``; ``slot.deferred`` says so).
-    None, with nothing queued, when a part is neither int32 nor int64. The flattening is kept
-    for the next step whose parts are the same memory (:data:`_PLANS`): then the step costs the
-    engine's thread two tensor operations, the ``cat`` and the copy, or the ``cat`` alone
-    (deferred, or on the host).
-    """
-    plan = _plan_of(parts)
-    if plan is None:
-        return None
-    return _pack(slot, plan, pin, trim, cols, shared, defer, name=name)
-
-
-def _pack(
-    slot: Slot,
-    plan: _Plan,
-    pin: bool,
-    trim: dict[str, int] | None,
-    cols: int | None,
-    shared: SharedHost | None,
-    defer: bool,
-    *,
-    name: str,
-) -> PackedViews:
-    """:func:`pack_host_copies` once the plan is known: into the shared memory, or the slot's buffer ``name``."""
-    region = None
-    if shared is not None:
-        region = shared.take(plan.total, pin=pin, device=plan.device if defer and (pin or DEFER_ON_CPU) else None)
-    if region is None:
-        offset = None
-        host = slot.host_prefix(name, plan.total, plan.int32, pin=pin, sources=plan.flat)
-        host.copy_(plan.cat(plan.flat), non_blocking=pin)
-    else:
-        offset, host, mirror = region
-        if mirror is not None:  # packed into the ring's device mirror; moved to the host later (flush)
-            plan.cat(plan.flat, out=mirror)
-            slot.deferred = True
-        elif pin:
-            host.copy_(plan.cat(plan.flat), non_blocking=True)
-        else:  # on the host already: packed where the child reads
-            plan.cat(plan.flat, out=host)
-    views = PackedViews()
-    views.packed = Packed(host, plan.order, plan.widths, plan.like, trim or {}, cols, offset, plan.memo)
-    slot.view_makers.append(views)
-    return views
-
-
-@dataclass
-class _Plan:
-    """How :func:`pack_host_copies` flattens one set of parts: kept for the next step with the same tensors."""
-
-    flat: list[Any]  #: the parts as 1-d int32 views, in buffer order (they keep the memory alive)
-    order: tuple[str, ...]
-    widths: tuple[int, ...]
-    like: dict[str, tuple[Any, tuple[int, ...]]]
-    total: int
-    cat: Any  #: ``torch.cat``
-    int32: Any
-    device: Any  #: the parts' device
-    pin: bool = False  #: the parts are on a CUDA device (pinned, non-blocking copies)
-    key: tuple[Any, ...] = ()  #: its key in :data:`_PLANS`
-    memo: dict[Any, Any] = field(default_factory=dict)  #: ``Packed.memo`` of the copies made by this plan
-
-
-#: The last few plans, by what the parts are: (name, address, shape, strides, dtype) each. The
-#: runner's metadata is a new set of views of its persistent buffers every step, but of the same
-#: memory, shape and strides for a batch size it has seen: the views made for an earlier step
-#: read the same elements, and two tensor operations a step (``reshape``, ``view``) are saved.
-#: A plan keeps its views' memory alive, so no other tensor can take their addresses.
-_PLANS: dict[tuple[Any, ...], _Plan] = {}
-_PLANS_MAX = 16
-
-
-#: The same plans by :func:`queue_host_copies`' flat key of a metadata's four tensors (copied as given).
-_STEADY: dict[tuple[Any, ...], _Plan] = {}
-
-
-def forget_plans() -> None:
-    """Let go of the kept plans and the runner's memory they hold (``Tracer.stop``)."""
-    _PLANS.clear()
-    _STEADY.clear()
-
-
-def _plan_of(parts: dict[str, Any]) -> _Plan | None:
-    """The plan for ``parts`` (made, or an earlier step's); None when a part is neither int32 nor int64."""
-    key = tuple((k, t.data_ptr(), t.shape, t.stride(), t.dtype) for k, t in parts.items())
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan
-    import torch
-
-    int32, int64 = torch.int32, torch.int64
-    if any(t.dtype != int32 and t.dtype != int64 for t in parts.values()):
-        return None
-    order = sorted(parts, key=lambda k: parts[k].dtype != int64)  # stable: int64 first
-    flat = []
-    for k in order:
-        src = parts[k]
-        if src.dim() != 1:
-            src = src.reshape(-1)  # a copy only when not contiguous (a block-table slice)
-        if src.dtype == int64:  # as int32 pairs (torch.cat takes strided int32 parts as they are)
-            src = (src if src.is_contiguous() else src.contiguous()).view(int32)
-        flat.append(src)
-    widths = tuple(f.shape[0] for f in flat)
-    like = {k: (t.dtype, tuple(t.shape)) for k, t in parts.items()}
-    device = flat[0].device
-    plan = _Plan(flat, tuple(order), widths, like, sum(widths), torch.cat, int32, device, device.type == "cuda", key)
-    if all(f.data_ptr() == parts[k].data_ptr() for k, f in zip(order, flat, strict=True)):
-        # views, not copies (a non-contiguous part's flat copy holds this step's values only)
-        if len(_PLANS) >= _PLANS_MAX:
-            del _PLANS[next(iter(_PLANS))]
-        _PLANS[key] = plan
-    return plan
-
-
-def _fill_views(views: PackedViews) -> None:
-    """``pack_host_copies``' host views, into ``views``: the buffer cut at its widths, as ``like`` says."""
-    import torch
-
-    p = views.packed
-    pieces = dict(zip(p.order, p.host.split(p.widths), strict=True))
-    for k, (dtype, shape) in p.like.items():
-        view = pieces[k].view(torch.int64) if dtype == torch.int64 else pieces[k]
-        view = view.view(shape) if len(shape) != 1 else view
-        views[k] = view[: p.trim[k]] if k in p.trim else view
-
-
-def layer_fields(static: LayerStatic) -> dict[str, Any]:
-    """The layer's ``StepRecord`` fields that no step changes, read from its impl once (``static.fields``)."""
-    fields = static.fields
-    if fields is None:
-        impl = static.impl
-        window = getattr(impl, "sliding_window", None)
-        if isinstance(window, int):  # the CPU backend keeps one int, -1 = none
-            window = (-1, -1) if window < 0 else (window - 1, 0)
-        fields = static.fields = {
-            "sliding_window": tuple(int(w) for w in window) if window is not None else None,
-            "logits_soft_cap": float(getattr(impl, "logits_soft_cap", 0) or 0),
-            "scale": float(impl.scale),
-            "num_heads": int(impl.num_heads),
-            "num_kv_heads": int(impl.num_kv_heads),
-            "head_size": int(impl.head_size),
-        }
-    return fields
-
-
-def step_fields(md: Any, num_tokens: int, cudagraph: str, padded: int | None) -> dict[str, Any]:
-    """``StepRecord`` fields of one step's metadata, as Python numbers (no tensor is read).
-
-    The same for every layer that shares ``md`` (one KV-cache group), so read once a step; a
-    record is the layer's :func:`layer_fields` updated with these (the metadata's own sliding
-    window, when it has one, wins over the impl's).
-    """
-    causal = getattr(md, "causal", True)
-    fields = {
-        "num_actual_tokens": num_tokens,
-        "max_query_len": int(md.max_query_len),
-        "max_seq_len": int(md.max_seq_len),
-        "causal": bool(causal) if not hasattr(causal, "shape") else True,
-        "use_cascade": bool(getattr(md, "use_cascade", False)),
-        "num_splits": int(getattr(md, "max_num_splits", 0) or 0),
-        "cudagraph": cudagraph,
-        "padded_tokens": padded if padded is not None else num_tokens,
-    }
-    window = getattr(md, "sliding_window", None)
-    if window is not None:
-        fields["sliding_window"] = tuple(int(w) for w in window)
-    return fields
-
-
-def tensor_clones(
-    static: LayerStatic, query: Any, md: Any, output: Any, kv_in: dict[str, Any], n: int, num_reqs: int
-) -> dict[str, Any]:
-    """Device-side clones for a tensor step, taken after the cache write (no host sync).
-
-    ``kv_in``: what ``do_kv_cache_update`` saw (its ``slot_mapping``, and ``key``/``value`` clones);
-    ``n`` / ``num_reqs``: the step's real tokens and requests (a full graph's metadata counts its padding).
-    """
-    slot_mapping = kv_in.get("slot_mapping")
-    if slot_mapping is None:
-        slot_mapping = md.slot_mapping[:n]
-    if static.geometry is None:
-        static.layout = static.layout or kv_layout_of(static.impl, static.kv_cache)
-        static.geometry = geometry_of(static.kv_cache, static.layout)
-    blocks, cols = clone_read_blocks(static.kv_cache, md.block_table, num_reqs, int(md.max_seq_len))
-    tensors = {
-        "query": query[:n].detach().clone(),
-        "output": output[:n].detach().clone(),
-        "written": gather_written(static.geometry, slot_mapping[:n], static.kv_cache.dtype),
-        "read_blocks": blocks,
-        "cols": cols,
-    }
-    for k in ("key", "value"):
-        if k in kv_in:
-            tensors[k] = kv_in[k]
-    return tensors
+        Called at the end of a request step in which a traced layer's ``forward`` ran: that layer
+        keeps the wrapper, which is all that later passes need (their steps, warm-up passes and
+        gaps are seen through it). Each wrapper call of an untraced layer cost the engine's thread
+        about a microsecond a step; with the impl's own attribute, vLLM's
+        ``self.impl.forward(...)`` finds the original first. ``stop`` removes the attributes.
+        """
+        impls, self._to_bypass = self._to_bypass, []
+        for impl in impls:
+            wrapper = getattr(type(impl), "forward", None)
+            original = getattr(wrapper, "__pagedtrace_original__", None)
+            own = getattr(impl, "__dict__", None)  # None: no instance attributes (__slots__), the wrapper stays
+            if original is None or own is None or "forward" in own:
+                continue
+            try:
+                impl.forward = types.MethodType(original, impl)
+            except (AttributeError, TypeError):  # a read-only attribute: the wrapper stays
+                continue
+            self._bypassed.append(impl)

@@ -28,8 +28,8 @@ from tracer.format import (
     read_sources,
     store_sources,
 )
+from tracer.layer_capture import dtype_name
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS, TracerOptions
-from tracer.pending import dtype_name
 
 __all__ = [
     "build_run_info",

@@ -25,7 +25,6 @@ __all__ = [
     "ENV_TENSORS",
     "ENV_WEIGHTS",
     "TracerOptions",
-    "env_choice",
 ]
 
 #: Environment variables read by ``TracerOptions.from_env`` (and the plugin).
@@ -41,17 +40,6 @@ ENV_QUERY_ROWS = "PAGEDTRACE_QUERY_ROWS"
 #: preset or model the user named, and how its weights were made.
 ENV_MODEL_NAME = "PAGEDTRACE_MODEL_NAME"
 ENV_WEIGHTS = "PAGEDTRACE_WEIGHTS"
-
-
-def env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """The setting ``name`` in the environment, one of ``choices`` (unset or empty: the first).
-
-    Case and surrounding blanks do not matter; anything else is a one-line ``ValueError``.
-    """
-    value = (os.environ.get(name) or choices[0]).strip().lower()
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected " + " or ".join(repr(c) for c in choices))
-    return value
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,15 @@ logger = logging.getLogger("pagedtrace")
 
 def register() -> None:
     """Entry point named in ``pyproject.toml`` under ``vllm.general_plugins``."""
-    from tracer import hooks
-    from tracer.loader import register_loader
+    from tracer import install
     from tracer.options import TracerOptions
+    from tracer.random_weights import register_loader
 
     register_loader()
     options = TracerOptions.from_env()
-    if options is None or hooks.active() is not None:
+    if options is None or install.active() is not None:
         return
     try:
-        hooks.Tracer(options).start()
+        install.Tracer(options).start()
     except Exception as exc:  # noqa: BLE001 - never stop vLLM from starting
         logger.warning("pagedtrace: tracer not installed: %s", exc)

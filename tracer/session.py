@@ -232,7 +232,7 @@ def validate_config(cfg: SessionConfig) -> None:
 
 def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
     """Return (model path for vLLM, load format, vocab size, preset max_model_len or 0)."""
-    from tracer.loader import LOAD_FORMAT
+    from tracer.random_weights import LOAD_FORMAT
 
     config = read_model_config(name)
     vocab = int(config.get("vocab_size") or 32000)
@@ -338,7 +338,7 @@ def run_session(
             else "checkpoint"
         )
         prompts = make_prompts(cfg, vocab)
-        from tracer.loader import register_loader
+        from tracer.random_weights import register_loader
 
         register_loader()
         if cfg.trace:
@@ -387,7 +387,7 @@ def run_session(
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.cudagraph_mode and not cfg.enforce_eager:
             # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs. A
-            # tensor trace keeps full graphs: the tracer's copies are captured into them (tracer.staging).
+            # tensor trace keeps full graphs: the tracer's copies are captured into them (tracer.graph_copies).
             kwargs["compilation_config"] = {
                 "cudagraph_mode": cfg.cudagraph_mode,
                 "cudagraph_capture_sizes": list(CAPTURE_SIZES),

@@ -1,12 +1,12 @@
 """Host memory the engine's process and the record writer process share: copies land where the child reads.
 
-A metadata step's copy goes into a pinned host buffer; before this module the engine's
-thread then turned that buffer into bytes (the step's rows, the block-table columns it
-reads) and wrote them down the pipe to the record writer process (``tracer.writer_process``):
-tens of µs a step, on the thread a PIECEWISE engine is bound by. Here the host buffer is
-itself memory the child maps (a ``memfd``, handed to it when it starts), page-locked for the
-device when the engine runs on CUDA (``cudaHostRegister``), so the step's copy puts the
-values where the child reads them, and the message names a place instead of carrying the bytes.
+A metadata step's copy goes into memory the record writer process (``tracer.record_process``)
+maps (a ``memfd``, handed to it when it starts), page-locked for the device when the engine
+runs on CUDA (``cudaHostRegister``), so the step's copy puts the values where the child reads
+them, and the message names a place (``tracer.messages.SharedCopy``) instead of carrying the
+bytes. Turning a host buffer into bytes (the step's rows, the block-table columns it reads)
+and writing them down the pipe costs tens of µs a step, on the thread a PIECEWISE engine is
+bound by.
 
 The memory is a ring of :data:`RING_BYTES` after a header: each packed copy takes the next
 stretch of it (:meth:`SharedHost.take`, 64-byte aligned), first in, first out, so that the
@@ -15,17 +15,17 @@ has read the message that named it: the child counts the messages it has finishe
 8 bytes (:func:`finished_counter`, a ``uint64``). Nothing ever waits for room: when the ring is
 full (the child is behind, a slow disk) or a copy is larger than :data:`MAX_TAKE_BYTES` (a very
 large prefill), :meth:`take` says None and that step's copy goes into the slot's own buffer and
-its bytes down the pipe, as before. So a stretch is reused only after the child has read it,
-and no step is lost.
+its bytes down the pipe (``tracer.messages.PackedCopy``). So a stretch is reused only after the
+child has read it, and no step is lost.
 
 **Deferred copies** (``defer``, CUDA). Each device call costs the engine's thread tens of µs
-under vLLM on the H200 (a ``cat`` and a ``copy_`` ~108 µs together, an event ~50 µs: session 7),
-so a step need not make three. The ring has a mirror in device memory, at the same offsets: the
+under vLLM on the H200 (a ``cat`` and a ``copy_`` ~108 µs together, an event ~50 µs, measured
+there), so a step need not make three. The ring has a mirror in device memory, at the same offsets: the
 step's one call packs its metadata into the mirror (``torch.cat(..., out=)``, a device-to-device
 kernel, ordered on the step's stream like any other), and :meth:`SharedHost.flush` later moves
 the stretches not yet moved, side by side, to the host in one ``copy_``. The writer flushes
 before it hands steps over and records one event after the flush
-(``tracer.ring.InlineWriter``): every ``HAND_OVER_EVERY`` steps one copy and one event, not
+(``tracer.handover.InlineWriter``): every ``HAND_OVER_EVERY`` steps one copy and one event, not
 one of each a step.
 
 Imports the standard library only; torch (for the tensors over the memory) when a step asks.
@@ -46,8 +46,8 @@ __all__ = ["ALIGN", "HEADER_BYTES", "MAX_TAKE_BYTES", "RING_BYTES", "SharedHost"
 HEADER_BYTES = 64
 #: The ring's bytes. A decode step of 32 requests with a 256-column block table packs ~33 KiB,
 #: a prefill of 10k tokens ~120 KiB; ~20 steps are in flight in the steady state (those queued for
-#: a message, ``tracer.ring.HAND_OVER_EVERY``, and those the child is on), and the 64 ring slots
-#: (``tracer.hooks.RING_SLOTS``) at most. Its device mirror (deferred copies) is as large.
+#: a message, ``tracer.handover.HAND_OVER_EVERY``, and those the child is on), and the 64 ring slots
+#: (``tracer.install.RING_SLOTS``) at most. Its device mirror (deferred copies) is as large.
 RING_BYTES = 16 * 2**20
 #: The largest copy one step puts in the ring; a larger one takes the slot's own buffer.
 MAX_TAKE_BYTES = 2 * 2**20
@@ -61,7 +61,7 @@ _UNSENT = -1
 class SharedHost:
     """A ring of shared, page-locked host memory (and its device mirror), and what the child has read.
 
-    Made by the engine's process (``tracer.writer_process.RecordProcess.start``) before the
+    Made by the engine's process (``tracer.record_process.RecordProcess.start``) before the
     child starts; ``fd`` goes to the child, which maps the same memory and counts the messages it
     has finished in it (:func:`finished_counter`). ``ring_bytes`` / ``max_take``: the ring's size
     and the largest stretch one copy takes (tests make them small). Raises ``OSError`` where the

@@ -1,8 +1,8 @@
 """The wrappers the tracer installs around vLLM's functions, one factory per kind.
 
-Each factory takes the :class:`tracer.hooks.Tracer` and the original function and returns
-the wrapper ``Tracer._install`` sets in its place; the wrappers only keep references and
-call back into the tracer, which decides what to record.
+Each factory takes the tracer (a :class:`tracer.capture.Capture`, as ``tracer.install.Tracer``
+is) and the original function and returns the wrapper ``Tracer._install`` sets in its place;
+the wrappers only keep references and call back into the tracer, which decides what to record.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import contextlib
 import functools
 from typing import TYPE_CHECKING
 
-from tracer.runtime import capturing
+from tracer.engine_state import capturing
 
 if TYPE_CHECKING:
-    from tracer.hooks import Tracer
+    from tracer.capture import Capture as Tracer
 
 __all__ = ["dispatch", "forward", "forward_context", "kv_update", "runner"]
 
@@ -66,13 +66,13 @@ def runner(tracer: Tracer, method: str):
         @functools.wraps(original)
         def wrapper(runner, *args, **kwargs):
             if tracer._runner is not runner:  # the first call (one runner a process: not again)
-                if tracer._runner is None and tracer._thread is not None:
+                if tracer._runner is None and tracer._handover is not None:
                     # This process runs the model (vLLM's front end and engine core never get here):
                     # start the record writer process now, at the profile run, before any request step.
-                    tracer._sink.start()
+                    tracer._record_writer.start()
                 tracer._runner = runner
                 tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
-                tracer._sink.vllm_config = tracer._vllm_config
+                tracer._record_writer.vllm_config = tracer._vllm_config
             stack = tracer._phase
             depth = tracer._depth
             if stack:
@@ -158,7 +158,7 @@ def kv_update(tracer: Tracer, original):
         result = original(impl, layer, key, value, kv_cache, slot_mapping, *args, **kwargs)
         name = getattr(layer, "layer_name", "")
         if tracer.stages(name):  # a full graph being captured: its replays copy key / value out
-            tracer._staging.stage(name, {"key": key, "value": value}, kv_cache, tracer.capture_capacity())
+            tracer._graph_copies.stage(name, {"key": key, "value": value}, kv_cache, tracer.capture_capacity())
         elif tracer._wants_tensors() and tracer._wants(name) and not capturing():
             n = slot_mapping.shape[0]
             tracer._kv_inputs[name] = {

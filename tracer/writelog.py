@@ -7,7 +7,7 @@ every block the step's block table names (a device-to-device copy; H200 bandwidt
 it microseconds). The writer thread, once the step's event has fired, asks a
 :class:`WriteLog` which of those blocks the trace has not seen whole yet, and copies only
 those to the host (``kv_new_blocks``). Trace bytes then grow with new tokens, not with
-context x steps. ``tracer.format.kvlog`` rebuilds each step's blocks from the log.
+context x steps. ``tracer.format.writelog`` rebuilds each step's blocks from the log.
 
 A layer's log is valid only while every write to its cache is in it: a step that ran the
 model without logging that layer (a step outside ``--steps``, a warm-up pass, a full CUDA

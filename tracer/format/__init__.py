@@ -3,7 +3,8 @@
 * :mod:`~tracer.format.version` -- pagedtrace's version, ``FORMAT_VERSION`` and its history;
 * :mod:`~tracer.format.records` -- the records a trace is made of (manifest, steps, gaps);
 * :mod:`~tracer.format.store` -- the trace directory: ``TraceWriter`` and ``Trace``;
-* :mod:`~tracer.format.schema` -- the checks every record passes on load (types, ranges, consistency);
+* :mod:`~tracer.format.decode` -- every record field decoded on load (types, ranges, lengths);
+* :mod:`~tracer.format.schema` -- the whole-record checks on load (consistency, tensor shapes);
 * :mod:`~tracer.format.reading` -- reading trace files as untrusted input (regular files, bounded);
 * :mod:`~tracer.format.sources` -- the vLLM source files a trace keeps;
 * :mod:`~tracer.format.verdicts` -- replay's verdicts (``replay.json``), typed both ways;

@@ -18,8 +18,8 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tracer.format.decode import check_json_text
 from tracer.format.errors import TraceError
-from tracer.format.schema import check_json_text
 
 __all__ = [
     "MAX_LINE_BYTES",

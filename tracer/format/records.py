@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.format import schema
+from tracer.format.decode import decode
 from tracer.format.errors import TraceError
 from tracer.format.layouts import STORED_LAYOUTS
 from tracer.format.version import FORMAT_VERSION
@@ -66,7 +67,7 @@ class _JsonRecord:
     exception is spelled out per field: a field introduced in format version N
     (``metadata={SINCE: N}``) may be absent from a record of an older version, and then
     takes its default. Every value is checked against its field's annotation
-    (:func:`tracer.format.schema.decode`: types, ranges, lengths, valid Unicode), fields
+    (:func:`tracer.format.decode.decode`: types, ranges, lengths, valid Unicode), fields
     with a vocabulary (``kind``, ``layout``) against it, and the record as a whole by its
     class's checker in ``_CHECKS`` (:func:`tracer.format.schema.check_step`).
     """
@@ -106,7 +107,7 @@ class _JsonRecord:
         hints = _hints(cls)
         kwargs = {}
         for name, value in data.items():
-            value = schema.decode(hints[name], value, f"{owner}.{name}", owner, name, version)
+            value = decode(hints[name], value, f"{owner}.{name}", owner, name, version)
             allowed = _VOCABULARY.get((owner, name))
             if allowed is not None and value is not None and value not in allowed:
                 raise TraceError(f"{owner}: {name} {str(value)[:40]!r} is not one of {', '.join(allowed)}")

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from tracer.format.kvlog import KVLogReader
 from tracer.format.reading import (
     MAX_LINE_BYTES,
     MAX_MANIFEST_BYTES,
@@ -39,6 +38,7 @@ from tracer.format.reading import (
 from tracer.format.records import GapRecord, RunInfo, StepRecord, TraceError, record_from_json, record_to_json
 from tracer.format.schema import KV_INPUTS_WRITTEN, check_step_in_cache, check_tensors
 from tracer.format.version import FORMAT_VERSION, READABLE_VERSIONS
+from tracer.format.writelog import WriteLogReader
 
 if TYPE_CHECKING:
     import torch
@@ -167,7 +167,7 @@ class Trace:
     records: list[StepRecord]
     gaps: list[GapRecord]
     problems: list[str] = field(default_factory=list)
-    _kv_log: KVLogReader | None = field(default=None, init=False, repr=False, compare=False)
+    _write_log: WriteLogReader | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, strict: bool = True) -> Trace:
@@ -244,7 +244,7 @@ class Trace:
         """Load the tensors captured with ``record``; ``TraceError`` if there are none or the file is bad.
 
         A write-log record (format 3, ``kv_log_epoch`` set) gets ``kv_blocks`` / ``kv_block_ids``
-        rebuilt from its run's log (:mod:`tracer.format.kvlog`), unless it is a check step that
+        rebuilt from its run's log (:mod:`tracer.format.writelog`), unless it is a check step that
         stores them: then the stored ones are returned, as in format 2. A format-4 file that
         marks its ``key``/``value`` as equal to ``kv_written`` (``kv_inputs_written``) gets them
         back from it; one that keeps only some query rows has ``query_rows``
@@ -264,7 +264,7 @@ class Trace:
         if loaded.pop(KV_INPUTS_WRITTEN, None) is not None:
             loaded["key"], loaded["value"] = inputs_from_written(record, loaded["kv_written"])
         if record.kv_log_epoch is not None and "kv_blocks" not in loaded:
-            loaded["kv_block_ids"], loaded["kv_blocks"] = self.kv_log.rebuild(record, loaded)
+            loaded["kv_block_ids"], loaded["kv_blocks"] = self.write_log.rebuild(record, loaded)
         return loaded
 
     def tensor_path(self, record: StepRecord) -> Path:
@@ -280,11 +280,11 @@ class Trace:
         return file
 
     @property
-    def kv_log(self) -> KVLogReader:
+    def write_log(self) -> WriteLogReader:
         """The KV write-log reader of this trace (its per-layer state lives as long as the trace)."""
-        if self._kv_log is None:
-            self._kv_log = KVLogReader(self)
-        return self._kv_log
+        if self._write_log is None:
+            self._write_log = WriteLogReader(self)
+        return self._write_log
 
     def rebuilt_kv(self, record: StepRecord) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_block_ids int32 [n], kv_blocks [n, *cache.shape[1:]])`` of a write-log record, always from the log.
@@ -293,7 +293,7 @@ class Trace:
         format 2; a check step's stored blocks are not used. ``TraceError`` for a record
         without ``kv_log_epoch`` or a block the log does not hold.
         """
-        return self.kv_log.rebuild(record)
+        return self.write_log.rebuild(record)
 
     def source(self, vllm_path: str) -> str | None:
         """Text of a stored vLLM source file, or None if the trace has none for it."""
