@@ -16,7 +16,6 @@ import pytest
 from pagedtrace.commands import run as run_command
 from tests.conftest import FIXTURES, fixture_path
 from tracer.format import Trace
-from tracer.session import SessionConfig
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_fixtures.py"
 
@@ -48,31 +47,7 @@ def _run_args(argv: list[str]) -> argparse.Namespace:
 
 def _as_config(args: argparse.Namespace) -> dict:
     """The ``session.json`` ``config`` these arguments give, built as ``pagedtrace run`` builds it."""
-    cfg = SessionConfig(
-        trace_dir="",
-        model=args.model,
-        num_prompts=args.prompts,
-        prompt_len=args.prompt_len,
-        shared_prefix=args.shared_prefix,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        enforce_eager=args.cudagraph_mode is None,
-        cudagraph_mode=args.cudagraph_mode,
-        layers=args.layers,
-        steps=args.steps,
-        tensors=args.tensors,
-        budget_mb=args.budget_mb,
-        kv_check_every=args.kv_check_every,
-        query_rows=args.query_rows,
-        multiprocess=args.multiprocess,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        prefix_caching=args.prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
-        flash_attn_version=args.flash_attn_version,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    cfg = run_command.session_config(args, Path(""))
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 

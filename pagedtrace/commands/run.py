@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
@@ -14,6 +15,9 @@ from rich.text import Text
 from pagedtrace.commands import literal, short_layer
 from pagedtrace.terminal import QUIET, VERBOSE, Elided, elide, make_console, row_limit, verbosity
 from tracer.format import Trace, TraceError, parse_steps
+
+if TYPE_CHECKING:
+    from tracer.session import SessionConfig
 
 #: vLLM's log level per ``--quiet`` / (neither) / ``--verbose``; the lines go to stderr.
 VLLM_LOG_LEVELS = {QUIET: "ERROR", 0: "WARNING", VERBOSE: "INFO"}
@@ -127,17 +131,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace, console: Console) -> int:
-    """Check the arguments, run the session with progress bars (stderr), then print the summary (stdout).
+def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
+    """The ``tracer.session.SessionConfig`` that ``run``'s arguments ask for, tracing into ``out``."""
+    from tracer.session import SessionConfig
 
-    Every argument is checked before the engine starts (``tracer.session.validate_config``):
-    a wrong one is one line and exit 2, with no directory created.
-    """
-    from pagedtrace.cli import UsageError
-    from tracer.session import SessionConfig, SessionError, run_session, validate_config
-
-    out = Path(args.out)
-    cfg = SessionConfig(
+    return SessionConfig(
         trace_dir=str(out),
         model=args.model,
         num_prompts=args.prompts,
@@ -162,6 +160,19 @@ def run(args: argparse.Namespace, console: Console) -> int:
         flash_attn_version=args.flash_attn_version,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Check the arguments, run the session with progress bars (stderr), then print the summary (stdout).
+
+    Every argument is checked before the engine starts (``tracer.session.validate_config``):
+    a wrong one is one line and exit 2, with no directory created.
+    """
+    from pagedtrace.cli import UsageError
+    from tracer.session import SessionError, run_session, validate_config
+
+    out = Path(args.out)
+    cfg = session_config(args, out)
     try:
         validate_config(cfg)
     except ValueError as exc:
