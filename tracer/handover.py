@@ -30,7 +30,7 @@ from typing import Any
 
 from tracer.slots import Slot, SlotPool, record_event
 
-__all__ = ["HAND_OVER_EVERY", "IDLE_MODES", "IDLE_S", "IdleTimer", "InlineWriter", "WriterThread"]
+__all__ = ["HAND_OVER_EVERY", "IDLE_MODES", "IDLE_S", "IdleTimer", "InlineWriter", "WriterThread", "idle_mode"]
 
 logger = logging.getLogger("pagedtrace")
 
@@ -118,6 +118,13 @@ IDLE_S = 0.1
 IDLE_MODES = ("engine", "timer", "look", "off")
 #: ``idle="look"``: seconds between looks.
 LOOK_S = 0.1
+
+
+def idle_mode(idle: str) -> str:
+    """``idle`` if it is one of :data:`IDLE_MODES`; a one-line ``ValueError`` otherwise."""
+    if idle not in IDLE_MODES:
+        raise ValueError(f"idle {idle!r}: expected one of {IDLE_MODES}")
+    return idle
 
 
 class IdleTimer:
@@ -248,8 +255,7 @@ class InlineWriter(_HandOver):
         self.looks = 0  #: the idle thread's wakes so far (each took the GIL)
         self.idle_hand_overs = 0  #: of them, those that found the engine idle and handed something over
         self._idle_mark = self._last  # ``_last`` at the last engine-idle hand-over
-        if idle not in IDLE_MODES:
-            raise ValueError(f"idle {idle!r}: expected one of {IDLE_MODES}")
+        idle = idle_mode(idle)
         if idle_s <= 0:
             idle = "off"
         #: how what is held reaches the record process once the engine idles: ``engine``, ``timer``,

@@ -145,7 +145,7 @@ class Tracer(Capture):
                 move=self._move_deferred,
                 on_cuda=cuda_available(),
             )
-        return WriterThread(*args, throttle=self._throttle, end=self._record_writer.send_records)
+        return WriterThread(*args, throttle=self._throttle)
 
     def stop(self) -> None:
         """Write what is in flight, unpatch, close the trace. Safe to call twice."""

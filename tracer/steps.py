@@ -21,7 +21,7 @@ from typing import Any
 from tracer.engine_state import capturing, cuda_available, is_warmup_batch
 from tracer.format import GapRecord, layer_matches, step_in_range
 from tracer.graph_copies import SHARED as GRAPH_COPIES
-from tracer.handover import IDLE_MODES, InlineWriter, WriterThread
+from tracer.handover import InlineWriter, WriterThread, idle_mode
 from tracer.layer_capture import LayerStatic
 from tracer.options import TracerOptions
 from tracer.record_writer import RecordWriter
@@ -66,8 +66,6 @@ class Steps:
         idle: str = "engine",
         defer: bool = True,
     ):
-        if idle not in IDLE_MODES:
-            raise ValueError(f"idle {idle!r}: expected one of {IDLE_MODES}")
         if ring_slots is None:
             ring_slots = max(1, int(os.environ.get(ENV_RING_SLOTS, str(RING_SLOTS)) or RING_SLOTS))
         if throttle is None:
@@ -85,7 +83,7 @@ class Steps:
         self._kv_inputs: dict[str, dict[str, Any]] = {}
         self._pool = SlotPool(ring_slots)
         #: how the inline writer hands over once the engine idles (``tracer.handover.IDLE_MODES``)
-        self._idle_mode = idle
+        self._idle_mode = idle_mode(idle)
         #: vLLM's loop runs in this process and says when it idles (``ENGINE_IDLE_TARGETS``)
         self._engine_loop = False
         self._idle_decided = False  # the first request step has asked whether it does
