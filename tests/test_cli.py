@@ -39,7 +39,7 @@ def _cli(*argv: str, color: bool = False) -> tuple[int, str]:
     """
     out = io.StringIO()
     console = Console(file=out, width=300, force_terminal=True) if color else Console(file=out, width=300)
-    code = main(list(argv), console=console)
+    code = main(list(argv), console=console, errors=console)
     text = out.getvalue()
     assert OSC8 not in text, "a string from the trace became a terminal hyperlink"
     return code, ANSI.sub("", text)

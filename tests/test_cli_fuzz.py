@@ -204,7 +204,8 @@ def test_mutated_traces_through_the_cli_exit_0_1_2_without_a_traceback(tmp_path,
 
 def _main(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
-    code = main(list(argv), console=Console(file=out, width=300))
+    console = Console(file=out, width=300)
+    code = main(list(argv), console=console, errors=console)
     return code, out.getvalue()
 
 

@@ -589,7 +589,7 @@ def test_untrusted_strings_render_inert(tmp_path):
 def run_cli(argv: list[str]) -> tuple[int, str]:
     """Run ``pagedtrace`` in-process; return (exit code, printed text)."""
     console = Console(file=io.StringIO(), width=300, record=True, color_system=None)
-    code = cli.main(argv, console=console)
+    code = cli.main(argv, console=console, errors=console)
     return code, console.export_text()
 
 

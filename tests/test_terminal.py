@@ -65,8 +65,8 @@ def test_replay_of_a_missing_directory_answers_before_torch_loads(tmp_path):
         "print('CODE', code, 'torch' in sys.modules, 'vllm' in sys.modules)"
     )
     assert proc.returncode == 0, proc.stderr
-    assert f"error: {missing}: not a trace directory" in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1] == "CODE 2 False False"
+    assert proc.stderr == f"error: {missing}: not a trace directory\n"
+    assert proc.stdout.strip() == "CODE 2 False False"
 
 
 def test_report_repeats_the_step_page_limit_it_may_not_import():
@@ -97,11 +97,8 @@ def test_bad_run_arguments_are_one_line_exit_2_and_leave_no_directory(tmp_path, 
         f"code = main(['run', '-o', {str(out)!r}, *{argv!r}]); "
         "print('CODE', code, 'vllm' in sys.modules, 'torch' in sys.modules)"
     )
-    text = proc.stdout + proc.stderr
-    assert message in text, text
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) == 2, lines  # the message, and the CODE line
-    assert proc.stdout.strip().splitlines()[-1] == "CODE 2 False False"
+    assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr  # one line, on stderr
+    assert proc.stdout.strip() == "CODE 2 False False"
     assert not out.exists()
 
 
@@ -116,9 +113,10 @@ def test_a_model_directory_is_checked_against_its_own_config(tmp_path):
     assert code == 2 and not (tmp_path / "t").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
-    out = io.StringIO()
-    assert main(["run", "-o", str(tmp_path / "t"), "--model", str(empty)], Console(file=out, width=300)) == 2
-    assert out.getvalue() == f"error: {empty}: no config.json (not a model directory)\n"
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["run", "-o", str(tmp_path / "t"), "--model", str(empty)]
+    assert main(argv, Console(file=out, width=300), Console(file=err, width=300)) == 2
+    assert out.getvalue() == "" and err.getvalue() == f"error: {empty}: no config.json (not a model directory)\n"
 
 
 def test_selection_accepts_the_tables_layer_names_and_refuses_empty_step_ranges():
@@ -141,7 +139,8 @@ def gemma(tmp_path_factory) -> Path:
 def _annotate(trace: Path, *argv: str) -> tuple[int, str]:
     out = io.StringIO()
     argv = ("annotate", "flash_attn.py", "--trace", str(trace), "--step", "4", "--context", "0", *argv)
-    code = main(list(argv), Console(file=out, width=PIPED_WIDTH))
+    console = Console(file=out, width=PIPED_WIDTH)
+    code = main(list(argv), console, console)
     return code, out.getvalue()
 
 
