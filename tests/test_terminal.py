@@ -88,6 +88,11 @@ def test_report_repeats_the_step_page_limit_it_may_not_import():
         (["--budget-mb", "0"], "error: --budget-mb must be > 0 MiB, got 0"),
         (["--model", "/no/such/dir"], "error: --model /no/such/dir: no such directory"),
         (["--model", "./nope"], "error: --model ./nope: no such directory"),
+        (["--block-size", "7"], "error: --block-size 7: vLLM's attention backends take a multiple of 16 (16, 32, 48,"),
+        (["--kv-cache-dtype", "fp9"], "error: --kv-cache-dtype fp9: use one of auto, float16, bfloat16, fp8, "),
+        (["--cudagraph-mode", "BOGUS"], "use one of NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"),
+        (["--max-model-len", "64"], "error: --max-model-len 64: the longest prompt is 154 tokens and --max-tokens"),
+        (["--gpu-memory-utilization", "1.5"], "error: --gpu-memory-utilization must be in (0, 1], got 1.5"),
     ],
 )
 def test_bad_run_arguments_are_one_line_exit_2_and_leave_no_directory(tmp_path, argv, message):
