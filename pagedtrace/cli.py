@@ -119,6 +119,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_line(name: str, *positionals: str, **options: object) -> str:
+    """``pagedtrace NAME POSITIONALS --option VALUE ...`` as a shell line, spelled by the parser itself.
+
+    ``options`` are keyed by their ``dest`` (``step=5``; ``True`` for a flag); each is written
+    with the command's own long option string, and the whole line must parse (a ``ValueError``
+    if the parser would refuse it). The report's tour prints its commands through this.
+    """
+    import shlex
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    command = sub.choices[name]
+    argv = [*positionals]
+    for dest, value in options.items():
+        action = next((a for a in command._actions if a.dest == dest and a.option_strings), None)
+        if action is None:
+            raise ValueError(f"pagedtrace {name} has no option for {dest!r}")
+        flag = max(action.option_strings, key=len)
+        argv += [flag] if value is True else [flag, str(value)]
+    try:
+        command.parse_args(argv)
+    except SystemExit:
+        raise ValueError(f"pagedtrace {name} refuses {argv}") from None
+    return shlex.join(["pagedtrace", name, *argv])
+
+
 def print_error(console: Console, message: str) -> None:
     """``error: message`` on one line, the message printed literally (no markup, no emoji)."""
     console.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True, highlight=False)

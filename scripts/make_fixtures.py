@@ -81,11 +81,13 @@ FIXTURES: dict[str, Fixture] = {
     ),
     "h200-gemma2-softcap-window": Fixture(
         "soft-cap 50 and a 64-token window on layer 0 (not 1), tensors of layers 0 and 1",
-        f"{GEMMA} --prompts 2 --shared-prefix 16 --prompt-len 8:60 --seed 1 --max-tokens 2 --layers 0,1 --budget-mb 10 --eager",
+        f"{GEMMA} --prompts 2 --shared-prefix 16 --prompt-len 8:60 --seed 1 --max-tokens 2 --layers 0,1 --budget-mb 10"
+        " --eager",
     ),
     "h200-llama3.1-8b-fp8": Fixture(
         "fp8 KV cache, eager: FA3 quantizes the query too",
-        f"{LLAMA} --prompts 2 --shared-prefix 32 --prompt-len 8:24 --max-tokens 4 --kv-cache-dtype fp8 --budget-mb 4 --eager",
+        f"{LLAMA} --prompts 2 --shared-prefix 32 --prompt-len 8:24 --max-tokens 4 --kv-cache-dtype fp8 --budget-mb 4"
+        " --eager",
     ),
     "h200-qwen2.5-7b-bs32-chunked": Fixture(
         "block size 32 and 32-token steps: a prompt's prefill split over steps",
@@ -94,7 +96,8 @@ FIXTURES: dict[str, Fixture] = {
     ),
     "h200-qwen2.5-7b-fa2": Fixture(
         "FlashAttention-2, eager",
-        f"{QWEN} --prompts 2 --shared-prefix 32 --prompt-len 8:24 --max-tokens 4 --budget-mb 4 --flash-attn-version 2 --eager",
+        f"{QWEN} --prompts 2 --shared-prefix 32 --prompt-len 8:24 --max-tokens 4 --budget-mb 4 --flash-attn-version 2"
+        " --eager",
     ),
     "h200-qwen2.5-7b-fa2-piecewise": Fixture(
         "FlashAttention-2 under PIECEWISE graphs (3 requests: decode batches padded to 4)",

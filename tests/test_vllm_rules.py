@@ -23,13 +23,13 @@ vllm = pytest.importorskip("vllm")
 def test_kv_cache_dtypes_are_vllms():
     from vllm.config.cache import CacheDType
 
-    assert vllm_rules.KV_CACHE_DTYPES == typing.get_args(CacheDType)
+    assert typing.get_args(CacheDType) == vllm_rules.KV_CACHE_DTYPES
 
 
 def test_graph_modes_are_vllms_and_the_default_is_its_default():
     from vllm.config.compilation import CUDAGraphMode
 
-    assert vllm_rules.CUDAGRAPH_MODES == tuple(CUDAGraphMode.__members__)
+    assert tuple(CUDAGraphMode.__members__) == vllm_rules.CUDAGRAPH_MODES
     # The defaults of vLLM's optimization levels (vllm/config/vllm.py) name the mode.
     text = (Path(vllm.__file__).parent / "config" / "vllm.py").read_text()
     assert f'"cudagraph_mode": CUDAGraphMode.{vllm_rules.DEFAULT_CUDAGRAPH_MODE},' in text
@@ -41,7 +41,7 @@ def test_flash_attn_versions_are_vllms():
 
     hint = typing.get_type_hints(AttentionConfig)["flash_attn_version"]
     literal = next(a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal)
-    assert vllm_rules.FLASH_ATTN_VERSIONS == typing.get_args(literal)
+    assert typing.get_args(literal) == vllm_rules.FLASH_ATTN_VERSIONS
 
 
 def test_block_sizes_are_what_the_backends_take():

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pagedtrace.commands import literal
+from pagedtrace.commands import add_lax, literal, open_trace
 from tracer.format import Trace
 from tracer.format.diff import TraceDiff, diff_traces
 
@@ -30,6 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the diff as JSON")
     p.add_argument("--html", metavar="FILE", help="also write the diff as a static HTML page")
     p.add_argument("--no-tensors", dest="tensors", action="store_false", help="compare records only")
+    add_lax(p)
     p.set_defaults(func=run)
 
 
@@ -45,7 +46,7 @@ def compute(a: Trace, b: Trace, tensors: bool = True) -> TraceDiff:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Diff, print (table or JSON), optionally write the page."""
-    a, b = Trace.open(args.a), Trace.open(args.b)
+    a, b = open_trace(args.a, args), open_trace(args.b, args)
     diff = compute(a, b, args.tensors)
     if args.html:
         from reports.explain_pages import write_diff_page

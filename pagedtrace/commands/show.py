@@ -10,8 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pagedtrace.commands import literal
-from tracer.format import Trace
+from pagedtrace.commands import add_lax, literal, open_trace
 from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation, explain_prefix_cache
 
 
@@ -27,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("trace", help="trace directory")
     p.add_argument("--json", action="store_true", help='print {"summary": ..., "requests": [explanations]} as JSON')
+    add_lax(p)
     p.set_defaults(func=run)
 
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from pagedtrace.summary import build_trace_summary_table
     from tracer.format.summary import summarize
 
-    trace = Trace.open(args.trace)
+    trace = open_trace(args.trace, args)
     summary = summarize(trace)
     # No KV-cache spec: no step reached attention's forward (vLLM failed first, say); the summary
     # and its gaps are all there is to show.

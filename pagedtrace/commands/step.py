@@ -10,8 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pagedtrace.commands import literal
-from tracer.format import Trace
+from pagedtrace.commands import add_lax, literal, open_trace
 from tracer.format.walk import QueryWalk
 
 
@@ -34,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--partition-size", type=int, default=None, help="v2 partition, tokens (default: 2 blocks)")
     p.add_argument("--json", action="store_true", help="print the walk as JSON")
     p.add_argument("--html", metavar="FILE", help="also write the walk as a static HTML page")
+    add_lax(p)
     p.set_defaults(func=run)
 
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from reference_impl.stepper import walk_query
 
     walk = walk_query(
-        Trace.open(args.trace),
+        open_trace(args.trace, args),
         args.step,
         args.request,
         args.head,
