@@ -29,6 +29,7 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -168,6 +169,11 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None, erro
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     debug = bool(getattr(args, "debug", False))
+    if getattr(args, "quiet", False):
+        # --quiet: results and errors only; torch's and vLLM's Python warnings are neither
+        # (PYTHONWARNINGS reaches the engine's child processes too).
+        warnings.simplefilter("ignore")
+        os.environ["PYTHONWARNINGS"] = "ignore"
     try:
         return int(args.func(args, console))
     except BrokenPipeError:

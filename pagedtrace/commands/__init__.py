@@ -45,3 +45,23 @@ def open_trace(path: str | os.PathLike[str], args: argparse.Namespace) -> Trace:
     for problem in trace.problems:
         warn(f"skipped: {problem}")
     return trace
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value}: must be {'positive' if least else '0 or more'}")
+    return value

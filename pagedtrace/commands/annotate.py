@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pagedtrace.cli import UsageError
-from pagedtrace.commands import add_lax, open_trace, short_layer
+from pagedtrace.commands import add_lax, non_negative_int, open_trace, short_layer
 from tracer.format import Trace, layer_matches, parse_layer
 
 if TYPE_CHECKING:  # libcst, through annotations: imported when a file is annotated, not for --help
@@ -42,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--context",
-        type=int,
+        type=non_negative_int,
         default=None,
         metavar="N",
         help="show only N lines around each annotated line (default: the whole file)",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 #: Characters that would break a one-line message, as they are written instead.
 _LINE_BREAKS = str.maketrans(
     {"\n": "\\n", "\r": "\\r", "\x0b": "\\v", "\x0c": "\\f", "\x85": "\\x85", "\u2028": "\\u2028", "\u2029": "\\u2029"}
