@@ -158,13 +158,13 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None, erro
     """
     from tracer.format import TraceError, first_line
 
-    console = console or make_console()
     errors = errors or make_console(stderr=True)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors exit 2 (message on stderr), --help 0
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    console = console or make_console(wide=bool(getattr(args, "verbose", False)))
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE

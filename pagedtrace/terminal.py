@@ -25,9 +25,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-#: Width rich lays out at when output does not go to a terminal: wide enough that no table
-#: shrinks a column. Lines are as long as their text: :class:`PlainFile` drops the padding.
-PIPED_WIDTH = 10_000
+#: Width rich lays out at when output does not go to a terminal: tables wrap their cells
+#: within it. Lines are as long as their text (:class:`PlainFile` drops the padding).
+PIPED_WIDTH = 200
+#: The same with ``--verbose``: wide enough that no table wraps or shrinks a column.
+WIDE_PIPED_WIDTH = 10_000
 
 #: Rows a long table keeps without ``--verbose`` (the first ones and a few of the last).
 MAX_TABLE_ROWS = 20
@@ -71,20 +73,34 @@ class PlainFile:
         return getattr(self.stream, "encoding", None) or "utf-8"
 
 
-def make_console(*, stderr: bool = False) -> Console:
+class _Console(Console):
+    """rich's console, except that a closed pipe raises ``BrokenPipeError`` for ``main`` to answer.
+
+    rich's own answer is ``SystemExit(1)``, the exit code of a mismatch.
+    """
+
+    def on_broken_pipe(self) -> None:
+        """Stop writing, and let the caller decide (``pagedtrace.cli.EXIT_PIPE``)."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def make_console(*, stderr: bool = False, wide: bool = False) -> Console:
     """A console for stdout (or stderr): the terminal's width on a terminal, plain lines off one.
 
-    Off a terminal: laid out :data:`PIPED_WIDTH` wide (``COLUMNS`` is ignored on purpose: piped
-    output is for reading whole), no colours, no trailing blanks (:class:`PlainFile`), and
+    Off a terminal: laid out :data:`PIPED_WIDTH` wide (``wide``, for ``--verbose``:
+    :data:`WIDE_PIPED_WIDTH`, so that long tables keep every row on one line; ``COLUMNS`` is
+    ignored on purpose), no colours, no trailing blanks (:class:`PlainFile`), and
     ``console.log`` lines without the time and the caller's file and line (rich pads a log
     line out to the width to right-align its location).
     """
-    console = Console(stderr=stderr)
+    console = _Console(stderr=stderr)
     if console.is_terminal:
         return console
     plain = PlainFile(sys.stderr if stderr else sys.stdout)
+    width = WIDE_PIPED_WIDTH if wide else PIPED_WIDTH
     # write/flush/isatty suffice for rich
-    return Console(file=plain, width=PIPED_WIDTH, log_time=False, log_path=False)  # type: ignore[arg-type]
+    return _Console(file=plain, width=width, log_time=False, log_path=False)  # type: ignore[arg-type]
 
 
 def warn(message: str | Text) -> None:

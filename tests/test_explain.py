@@ -122,7 +122,7 @@ def test_show_a_trace_whose_first_request_step_vllm_failed_in(tmp_path, capsys):
 
 def test_show_rejects_a_non_trace(tmp_path, capsys):
     assert main(["show", str(tmp_path)]) == 2
-    assert "error" in capsys.readouterr().out
+    assert capsys.readouterr().err.startswith("error: ")
 
 
 def test_report_has_a_prefix_page(tmp_path):

@@ -375,12 +375,14 @@ def _summary(report) -> str:
         )
     worst = max(report.steps, key=lambda r: r.max_abs / r.tol if r.tol > 0 else math.inf)
     if report.ok:
+        # Two lines, the verdict last: a piped line stays under 200 characters.
         return (
+            f"{len(report.write_path)} write path(s) bit-exact, legacy x-split layout gives identical output; "
+            f"{_metadata_summary(report)}\n"
             f"[bold green]all {_records_text(report.steps)} match[/]: vLLM's output is attention within tolerance "
             f"(worst by error/tolerance: step {worst.step} {escape(short_layer(worst.layer))}, "
             f"max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
-            f"max rel {_num(worst.max_rel)}); {len(report.write_path)} write path(s) bit-exact, "
-            f"legacy x-split layout gives identical output; {_metadata_summary(report)}; {report.seconds:.2f} s"
+            f"max rel {_num(worst.max_rel)}); {report.seconds:.2f} s"
         )
     bad_steps = sum(not r.ok for r in report.steps)
     bad_writes = sum(not w.ok for w in report.write_path)

@@ -52,8 +52,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     block_size = trace.run.kv_cache.block_size if trace.run.kv_cache else None
     if args.partition_size is not None and block_size and args.partition_size % block_size:
         raise UsageError(
-            f"--partition-size {args.partition_size}: a partition holds whole blocks; use a multiple of the "
-            f"trace's block size {block_size}"
+            f"--partition-size {args.partition_size}: a partition holds whole blocks: use a multiple of the "
+            f"block size ({block_size})"
         )
     walk = walk_query(
         trace,
