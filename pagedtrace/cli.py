@@ -7,6 +7,11 @@ derive from ``tracer.format.TraceError`` or :class:`UsageError` and are printed 
 line, never a traceback; anything else is a bug, printed as one line with a hint to
 rerun with ``--debug``, which prints the traceback.
 
+Results go to stdout, errors and diagnostics to stderr (:mod:`pagedtrace.terminal`), with
+``--json`` too: stdout then holds the JSON document and nothing else, and an error is one
+``error: ...`` line on stderr. A reader that closes the pipe early (``| head -1``) ends the
+command quietly with :data:`EXIT_PIPE`, as a shell reports a command killed by SIGPIPE.
+
 Everything printed here is a ``rich.text.Text``, never markup: an error message quotes
 paths and trace strings, and ``[/x]`` or ``[link=...]`` in them must print as written.
 
@@ -21,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -35,13 +42,14 @@ from pagedtrace.terminal import make_console
 COMMANDS = ("run", "replay", "annotate", "report", "diff", "show", "step", "export", "preset")
 
 #: The exit codes of every command (README "The commands" and ``--help`` show this table).
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 3, 130, 141
 EXIT_CODES = {
     EXIT_OK: "ok",
     EXIT_MISMATCH: "a real mismatch (replay, or a --kernel check, found wrong output)",
     EXIT_USAGE: "bad input or usage: arguments, an unreadable trace, a file that cannot be written",
     EXIT_INTERNAL: "an internal error (a bug): one line; --debug prints the traceback",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_PIPE: "stdout was closed early (| head): nothing printed on stderr, as 128 + SIGPIPE",
 }
 
 
@@ -50,7 +58,10 @@ class UsageError(Exception):
 
 
 #: The subcommands' ``--help`` epilog (their descriptions are wrapped, so one sentence).
-SHORT_EPILOG = "Exit codes: 0 ok, 1 a mismatch, 2 bad input or usage, 3 an internal error (rerun with --debug)."
+SHORT_EPILOG = (
+    "Exit codes: 0 ok, 1 a mismatch, 2 bad input or usage, 3 an internal error (rerun with --debug), "
+    "130 interrupted, 141 stdout closed early."
+)
 
 
 def _epilog() -> str:
@@ -109,42 +120,89 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_line(name: str, *positionals: str, **options: object) -> str:
+    """``pagedtrace NAME POSITIONALS --option VALUE ...`` as a shell line, spelled by the parser itself.
+
+    ``options`` are keyed by their ``dest`` (``step=5``; ``True`` for a flag); each is written
+    with the command's own long option string, and the whole line must parse (a ``ValueError``
+    if the parser would refuse it). The report's tour prints its commands through this.
+    """
+    import shlex
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    command = sub.choices[name]
+    argv = [*positionals]
+    for dest, value in options.items():
+        action = next((a for a in command._actions if a.dest == dest and a.option_strings), None)
+        if action is None:
+            raise ValueError(f"pagedtrace {name} has no option for {dest!r}")
+        flag = max(action.option_strings, key=len)
+        argv += [flag] if value is True else [flag, str(value)]
+    try:
+        command.parse_args(argv)
+    except SystemExit:
+        raise ValueError(f"pagedtrace {name} refuses {argv}") from None
+    return shlex.join(["pagedtrace", name, *argv])
+
+
 def print_error(console: Console, message: str) -> None:
     """``error: message`` on one line, the message printed literally (no markup, no emoji)."""
     console.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True, highlight=False)
 
 
-def main(argv: Sequence[str] | None = None, console: Console | None = None) -> int:
-    """Entry point; returns the process exit code (:data:`EXIT_CODES`), never raises."""
+def main(argv: Sequence[str] | None = None, console: Console | None = None, errors: Console | None = None) -> int:
+    """Entry point; returns the process exit code (:data:`EXIT_CODES`), never raises.
+
+    ``console`` takes the results (default: stdout), ``errors`` the errors and the
+    tracebacks of ``--debug`` (default: stderr).
+    """
     from tracer.format import TraceError, first_line
 
-    console = console or make_console()
+    errors = errors or make_console(stderr=True)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors exit 2 (message on stderr), --help 0
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    console = console or make_console(wide=bool(getattr(args, "verbose", False)))
     if not getattr(args, "func", None):
-        parser.print_help()
+        parser.print_help(sys.stderr)
         return EXIT_USAGE
     debug = bool(getattr(args, "debug", False))
+    if getattr(args, "quiet", False):
+        # --quiet: results and errors only; torch's and vLLM's Python warnings are neither
+        # (PYTHONWARNINGS reaches the engine's child processes too).
+        warnings.simplefilter("ignore")
+        os.environ["PYTHONWARNINGS"] = "ignore"
     try:
         return int(args.func(args, console))
+    except BrokenPipeError:
+        return _closed_pipe()
     except (TraceError, UsageError, OSError) as exc:
         if debug:
-            _print_traceback(console, exc)
-        print_error(console, str(exc) or type(exc).__name__)
+            _print_traceback(errors, exc)
+        print_error(errors, str(exc) or type(exc).__name__)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        console.print(Text("interrupted", style="yellow"))
+        errors.print(Text("interrupted", style="yellow"))
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - the one place a bug becomes an exit code
         if debug:
-            _print_traceback(console, exc)
+            _print_traceback(errors, exc)
         first = first_line(exc)
         hint = "" if debug else "; rerun with --debug for the traceback"
-        print_error(console, f"internal error: {type(exc).__name__}: {first} (a bug in pagedtrace{hint})")
+        print_error(errors, f"internal error: {type(exc).__name__}: {first} (a bug in pagedtrace{hint})")
         return EXIT_INTERNAL
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout is gone: point stdout at /dev/null (the flush at exit would fail again)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is no file (a test's buffer): nothing to flush
+        pass
+    return EXIT_PIPE
 
 
 def _print_traceback(console: Console, exc: BaseException) -> None:

@@ -1,9 +1,12 @@
-"""The CLI's terminal habits: one console per run, plain and full width when piped, short tables.
+"""The CLI's terminal habits: results on stdout, diagnostics on stderr, plain lines when piped.
 
-A terminal gets rich's usual output at its own width. Anything else (``| less``, ``> file``,
-a subprocess pipe) gets plain text (rich drops colours off a terminal) at
-:data:`PIPED_WIDTH`, so tables keep every column whole instead of falling to rich's 80-column
-default and cutting values to ``8…``; a pager or editor scrolls sideways where needed.
+The output contract of every command (README "Output"): results go to stdout (the console a
+command is given); errors, warnings, progress and logs go to stderr (:func:`make_console`
+with ``stderr=True``, or :func:`warn`). A terminal gets rich's usual output at its own
+width. Anything else (``| less``, ``> file``, a subprocess pipe) gets plain lines of their
+natural width: no colours, no padding (:class:`PlainFile`), no time or source location on log
+lines; rich lays out at :data:`PIPED_WIDTH` there, so tables keep every column whole instead
+of falling to rich's 80-column default and cutting values to ``8…``.
 
 Long tables are shortened to their first and last rows around one "… N more" row
 (:func:`elide`), unless ``--verbose`` asks for all of them.
@@ -22,8 +25,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-#: Width of output that does not go to a terminal: wide enough that no table shrinks a column.
-PIPED_WIDTH = 10_000
+#: Width rich lays out at when output does not go to a terminal: tables wrap their cells
+#: within it. Lines are as long as their text (:class:`PlainFile` drops the padding).
+PIPED_WIDTH = 200
+#: The same with ``--verbose``: wide enough that no table wraps or shrinks a column.
+WIDE_PIPED_WIDTH = 10_000
 
 #: Rows a long table keeps without ``--verbose`` (the first ones and a few of the last).
 MAX_TABLE_ROWS = 20
@@ -67,17 +73,40 @@ class PlainFile:
         return getattr(self.stream, "encoding", None) or "utf-8"
 
 
-def make_console(*, stderr: bool = False) -> Console:
-    """A console for stdout (or stderr): the terminal's width on a terminal, plain full width off one.
+class _Console(Console):
+    """rich's console, except that a closed pipe raises ``BrokenPipeError`` for ``main`` to answer.
 
-    Off a terminal: :data:`PIPED_WIDTH` wide (``COLUMNS`` is ignored on purpose: piped output
-    is for reading whole), no colours, no trailing blanks (:class:`PlainFile`).
+    rich's own answer is ``SystemExit(1)``, the exit code of a mismatch.
     """
-    console = Console(stderr=stderr)
+
+    def on_broken_pipe(self) -> None:
+        """Stop writing, and let the caller decide (``pagedtrace.cli.EXIT_PIPE``)."""
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def make_console(*, stderr: bool = False, wide: bool = False) -> Console:
+    """A console for stdout (or stderr): the terminal's width on a terminal, plain lines off one.
+
+    Off a terminal: laid out :data:`PIPED_WIDTH` wide (``wide``, for ``--verbose``:
+    :data:`WIDE_PIPED_WIDTH`, so that long tables keep every row on one line; ``COLUMNS`` is
+    ignored on purpose), no colours, no trailing blanks (:class:`PlainFile`), and
+    ``console.log`` lines without the time and the caller's file and line (rich pads a log
+    line out to the width to right-align its location).
+    """
+    console = _Console(stderr=stderr)
     if console.is_terminal:
         return console
     plain = PlainFile(sys.stderr if stderr else sys.stdout)
-    return Console(file=plain, width=PIPED_WIDTH)  # type: ignore[arg-type]  # write/flush/isatty suffice
+    width = WIDE_PIPED_WIDTH if wide else PIPED_WIDTH
+    # write/flush/isatty suffice for rich
+    return _Console(file=plain, width=width, log_time=False, log_path=False)  # type: ignore[arg-type]
+
+
+def warn(message: str | Text) -> None:
+    """``warning: message`` on stderr, one line, the message printed literally (no markup)."""
+    text = message if isinstance(message, Text) else Text(message)
+    make_console(stderr=True).print(Text.assemble(("warning:", "yellow"), " ", text), soft_wrap=True, highlight=False)
 
 
 def verbosity(args: argparse.Namespace) -> int:

@@ -240,3 +240,17 @@ def walk_query(
         output_head=tuple(float(x) for x in ours[:8]),
         vllm_head=tuple(float(x) for x in vllm[:8]),
     )
+
+
+def walk_for_tour(trace: Trace) -> tuple[QueryWalk | None, str]:
+    """The report tour's walk: ``tracer.format.walk.tour_target``'s query, head 0; or None and why not."""
+    from tracer.format.walk import tour_target
+
+    target = tour_target(trace)
+    if target is None:
+        return None, "No trace values beside the loop: no request step of this trace has tensors to run it on."
+    step, request, layer = target
+    try:
+        return walk_query(trace, step, request, 0, layer=layer), ""
+    except (TraceError, RuntimeError, ValueError) as exc:
+        return None, f"No trace values beside the loop: walking step {step} failed ({exc})."

@@ -33,10 +33,9 @@ from reports.common import INDEX_PAGE, TOUR_PAGE
 from reports.environment import make_environment
 from reports.explain_pages import PREFIX_PAGE, render_prefix_page
 from reports.step_pages import MAX_REQUEST_PAGES
-from reports.tour import load_reference_source
+from reports.tour import Command, load_reference_source, plain_command
 from reports.viewmodel import Site, build_site
 from tracer.format import ReplayReport, Trace
-from tracer.format.prefix import explain_prefix_cache
 from tracer.format.walk import QueryWalk
 
 #: Files copied verbatim from ``reports/templates`` into every report.
@@ -106,6 +105,8 @@ def render_site(site: Site, env: jinja2.Environment | None = None) -> dict[str, 
         pages[name] = source.render(page=source_page, nav=source_page.nav)
     for name, step_page in site.steps.items():
         pages[name] = step.render(page=step_page, nav=step_page.nav)
+    if site.prefix is not None:
+        pages[PREFIX_PAGE] = render_prefix_page(site.prefix)
     return pages
 
 
@@ -147,15 +148,17 @@ def write_report(
     walk_note: str = "",
     replay: ReplayReport | None = None,
     force: bool = False,
+    command: Command = plain_command,
 ) -> BuildResult:
     """Build the report of ``trace_dir`` into ``out_dir``; return what was written.
 
     ``max_step_pages`` caps the request steps that get a page of their own (the
     index lists every step either way). ``walk`` is one query run through the reference
-    loop (the tour shows its values; ``walk_note`` says why there is none), ``replay``
-    verdicts computed in memory (shown instead of ``replay.json``): both come from the
-    caller, which may import torch; this module never does. ``force``: write into a
-    non-empty directory that is not a report.
+    loop (the tour shows its values; ``walk_note`` says why there is none; neither: the
+    walk ``pagedtrace replay`` kept in the trace), ``replay`` verdicts computed in memory
+    (shown instead of ``replay.json``): both come from the caller, which may import torch;
+    this module never does. ``force``: write into a non-empty directory that is not a
+    report. ``command`` spells the command lines the pages suggest.
 
     The trace is opened tolerantly (``strict=False``): a truncated last line is
     listed on the index page instead of failing the build. A directory that is
@@ -170,11 +173,9 @@ def write_report(
         walk=walk,
         walk_note=walk_note,
         replay=replay,
+        command=command,
     )
-    pages = render_site(site)
-    if trace.run.kv_cache is not None and any(r.kind == "request" for r in trace.records):
-        pages[PREFIX_PAGE] = render_prefix_page(explain_prefix_cache(trace), str(trace.path))
-    return write_site(pages, out_dir, force=force)
+    return write_site(render_site(site), out_dir, force=force)
 
 
 def build_report(

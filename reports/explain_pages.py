@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from reports.common import Link
 from reports.environment import make_environment
 from tracer.format.diff import TraceDiff
 from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation
@@ -221,9 +222,10 @@ class PrefixView:
     title: str
     rows: tuple[PrefixRow, ...]
     cannot_know: tuple[str, ...]
+    nav: tuple[Link, ...] = ()  #: the report's top bar
 
 
-def build_prefix_view(explanations: list[PrefixExplanation], trace_name: str) -> PrefixView:
+def build_prefix_view(explanations: list[PrefixExplanation], trace_name: str, nav: tuple[Link, ...] = ()) -> PrefixView:
     """The explanations as strings for the template."""
     rows = tuple(
         PrefixRow(
@@ -242,9 +244,9 @@ def build_prefix_view(explanations: list[PrefixExplanation], trace_name: str) ->
         )
         for e in explanations
     )
-    return PrefixView(title=f"Prefix cache: {trace_name}", rows=rows, cannot_know=WHAT_THE_TRACE_CANNOT_SHOW)
+    return PrefixView(f"Prefix cache: {trace_name}", rows, WHAT_THE_TRACE_CANNOT_SHOW, nav)
 
 
-def render_prefix_page(explanations: list[PrefixExplanation], trace_name: str) -> str:
-    """The prefix-cache page's HTML."""
-    return make_environment().get_template("prefix.html").render(page=build_prefix_view(explanations, trace_name))
+def render_prefix_page(page: PrefixView) -> str:
+    """The prefix-cache page's HTML, with the report's top bar."""
+    return make_environment().get_template("prefix.html").render(page=page, nav=page.nav)

@@ -110,6 +110,7 @@ class StepPage:
     metadata_verdict: Verdict = NOT_CHECKED
     metadata_source: str = ""  #: where the metadata checks come from (``replay.json`` or computed now)
     sources: tuple[Link, ...] = ()  #: the annotated sources with their values at this step
+    prefix: Link | None = None  #: the prefix-cache page, when a request first scheduled here had a hit
 
 
 def pages_for_steps(records: list[StepRecord], max_request_pages: int = MAX_REQUEST_PAGES) -> set[int]:
@@ -229,6 +230,7 @@ def step_view(
     metadata: Sequence[MetadataCheck] = (),
     metadata_source: str = "",
     sources: Sequence[Link] = (),
+    prefix: Link | None = None,
 ) -> StepPage:
     """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay and metadata verdicts.
 
@@ -291,6 +293,7 @@ def step_view(
         metadata_verdict=metadata_verdict(metadata),
         metadata_source=metadata_source,
         sources=tuple(Link(f"{link.href}#step-{record.step}", link.text) for link in sources),
+        prefix=prefix,
     )
 
 

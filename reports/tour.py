@@ -11,14 +11,33 @@ import ast
 import importlib.util
 import math
 import re
+import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from annotations.anchors import ATTENTION, BLOCK_TABLE, CPU_ATTN, FLASH_ATTN, PAGED_ATTN
 from annotations.locate import LocatedSource
 from reports.common import INDEX_PAGE, Link, Token, highlight, source_file_page, step_page
-from tracer.format import StepRecord, Trace
-from tracer.format.walk import BlockLine, QueryWalk
+from tracer.format import Trace, TraceError
+from tracer.format.walk import BlockLine, QueryWalk, read_tour_walk, tour_target
+
+#: Spells a ``pagedtrace`` command line: ``command("step", TRACE, step=5, request="0-a", head=0)``,
+#: options by their argparse ``dest`` (``True`` for a flag).
+Command = Callable[..., str]
+
+
+def plain_command(name: str, *positionals: str, **options: object) -> str:
+    """A :data:`Command` without the CLI's parser: ``--dest-with-dashes VALUE`` per option.
+
+    ``pagedtrace report`` passes ``pagedtrace.cli.command_line`` instead, which spells each
+    option as the parser does and refuses a line it would not parse.
+    """
+    argv = ["pagedtrace", name, *positionals]
+    for dest, value in options.items():
+        flag = "--" + dest.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return shlex.join(argv)
 
 
 @dataclass(frozen=True)
@@ -54,6 +73,7 @@ class WalkView:
     rows: tuple[WalkRow, ...]
     rows_elided: int
     step_link: Link | None
+    command: str = ""  #: the ``pagedtrace step`` line that walks this query (and, edited, any other)
 
 
 @dataclass(frozen=True)
@@ -137,7 +157,7 @@ def line_values(text: str, walk: QueryWalk | None) -> str:
     return ""
 
 
-def walk_view(walk: QueryWalk) -> WalkView:
+def walk_view(walk: QueryWalk, command: Command = plain_command, trace: str = "") -> WalkView:
     """The caption and iteration table of a walked query."""
     shown, elided = _shown(walk.blocks)
     rows = tuple(
@@ -160,34 +180,26 @@ def walk_view(walk: QueryWalk) -> WalkView:
         f"request {walk.request_id} (block-table row {walk.row}), query {walk.token} at position {walk.position}, "
         f"head {walk.head} (KV head {walk.kv_head}), seq_len {walk.seq_len}, block size {walk.block_size}, "
         f"{walk.compute_dtype}. vLLM's output for that head differs by {_num(walk.max_abs)} "
-        f"({verdict} replay's bar {_num(walk.tolerance)}). pagedtrace step {walk.step} --request "
-        f"{walk.request_id} --head {walk.head} walks any other query."
+        f"({verdict} replay's bar {_num(walk.tolerance)})."
     )
-    return WalkView(caption, rows, elided, Link(step_page(walk.step), f"step {walk.step}"))
+    line = command("step", trace or walk.trace, step=walk.step, request=walk.request_id, head=walk.head)
+    return WalkView(caption, rows, elided, Link(step_page(walk.step), f"step {walk.step}"), line)
 
 
-#: Shown at the loop when no query was walked through it.
-NO_WALK_NOTE = (
-    "No trace values beside the loop: pagedtrace report runs one captured query through it when the trace has "
-    "tensors and torch is installed (reports/ itself never imports torch)."
-)
-
-
-def walk_target(trace: Trace) -> tuple[int, str, str] | None:
-    """``(step, request id, layer)`` of the query the tour walks, or None (no tensors).
-
-    The first request step with tensors (the first traced layer), its row with the most
-    blocks: the most iterations of the loop to show.
-    """
-    layer = trace.layers[0] if trace.layers else None
-    records: list[StepRecord] = [
-        r for r in trace.records if r.kind == "request" and r.tensors is not None and r.layer == layer
-    ]
-    if not records or not records[0].request_ids:
-        return None
-    record = records[0]
-    row = max(range(len(record.seq_lens)), key=lambda i: (record.seq_lens[i], -i))
-    return record.step, record.request_ids[row], record.layer
+def stored_walk(trace: Trace, command: Command = plain_command) -> tuple[QueryWalk | None, str]:
+    """The tour's walk that ``pagedtrace replay`` kept in the trace (``walk.json``), or None and why not."""
+    if tour_target(trace) is None:
+        return None, "No trace values beside the loop: no request step of this trace has tensors to run it on."
+    try:
+        walk = read_tour_walk(trace)
+    except TraceError as exc:
+        return None, f"No trace values beside the loop: {exc}."
+    if walk is None:
+        return None, (
+            f"No trace values beside the loop yet: {command('replay', str(trace.path))} walks one captured query "
+            "through it and keeps the values in the trace (walk.json) for the next report."
+        )
+    return walk, ""
 
 
 def code_block(
@@ -199,12 +211,14 @@ def code_block(
     mark: str,
     first: str | None = None,
     walk: QueryWalk | None = None,
+    view: WalkView | None = None,
 ) -> CodeBlock | None:
     """Highlight ``text`` (its first line is line ``start``); mark the lines whose ``marks`` entry is ``mark``.
 
     ``marks`` has one entry per line (``tour_marks``). With ``first``, keep only the
     lines from the first containing ``first`` through the last marked one; None when
-    either is not found. With ``walk``, the marked lines carry its values per iteration.
+    either is not found. With ``walk``, the marked lines carry its values per iteration, and
+    the block shows ``view`` (default: :func:`walk_view` of it).
     """
     raw = text.splitlines()
     lines = [
@@ -219,7 +233,9 @@ def code_block(
         if lo is None or hi is None or hi < lo:
             return None
         lines = lines[lo : hi + 1]
-    return CodeBlock(title, origin, tuple(lines), walk_view(walk) if walk is not None and walk.blocks else None)
+    if view is None and walk is not None and walk.blocks:
+        view = walk_view(walk)
+    return CodeBlock(title, origin, tuple(lines), view)
 
 
 @dataclass(frozen=True)
@@ -298,13 +314,15 @@ def tour_page(
     nav: tuple[Link, ...],
     walk: QueryWalk | None = None,
     walk_note: str = "",
+    command: Command = plain_command,
 ) -> TourPage:
     """The guided tour following the reading checklist, linked into the other pages.
 
-    ``walk``: one real query run through the reference loop (``pagedtrace report`` computes
-    it with ``reference_impl.stepper``); its values go beside the loop's lines. ``walk_note``
-    says why there is none (shown instead).
+    ``walk``: one real query run through the reference loop (``pagedtrace replay`` keeps one
+    in the trace, :func:`stored_walk`); its values go beside the loop's lines. ``walk_note``
+    says why there is none (shown instead). ``command`` spells the command lines shown.
     """
+    view = walk_view(walk, command, str(trace.path)) if walk is not None and walk.blocks else None
     run = trace.run
     spec = run.kv_cache
     on_cpu = "CPUAttention" in run.attention_backend
@@ -332,7 +350,9 @@ def tour_page(
     if reference is not None:
         origin, src, start = reference
         shown, marks = tour_marks(src)
-        loop_code = code_block(origin, "reference_impl/kernel.py", shown, start, marks, BLOCK_MARK, walk=walk)
+        loop_code = code_block(
+            origin, "reference_impl/kernel.py", shown, start, marks, BLOCK_MARK, walk=walk, view=view
+        )
         softmax_code = code_block(
             f"{origin}: the online-softmax lines",
             "reference_impl/kernel.py",
@@ -342,6 +362,7 @@ def tour_page(
             SOFTMAX_MARK,
             SOFTMAX_FIRST,
             walk=walk,
+            view=view,
         )
     if walk is not None and walk.step not in paged:
         loop_code = _without_step_link(loop_code)
@@ -399,7 +420,7 @@ def tour_page(
                 "block_size] at offset j % block_size. The reference kernel spells the loop out block by block; the "
                 "real kernels do the same walk in tiles.",
             )
-            + ((walk_note or NO_WALK_NOTE,) if walk is None and loop_code is not None else ()),
+            + ((walk_note,) if walk is None and walk_note and loop_code is not None else ()),
             links(
                 (FLASH_ATTN, "flash_attn.forward.block_table", "forward: block_table"),
                 (FLASH_ATTN, "flash_attn.forward.seqused_k", "forward: seqused_k = seq_lens"),

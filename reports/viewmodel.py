@@ -21,13 +21,15 @@ from annotations.anchors import ANNOTATED_FILES
 from annotations.annotate import annotate_file
 from annotations.locate import LocatedSource, locate
 from reports.common import INDEX_PAGE, TOUR_PAGE, Link, first_records, source_file_page, step_page
+from reports.explain_pages import PREFIX_PAGE, PrefixView, build_prefix_view
 from reports.index_page import IndexPage, index_page
 from reports.source_pages import SourcePage, source_page
 from reports.step_pages import MAX_REQUEST_PAGES, StepPage, pages_for_steps, step_view
-from reports.tour import TourPage, tour_page
+from reports.tour import Command, TourPage, plain_command, stored_walk, tour_page
 from reports.verdicts import IN_MEMORY, ReplayData, read_replay, replay_data
 from tracer.format import MetadataCheck, ReplayReport, Trace
 from tracer.format.metadata import check_records
+from tracer.format.prefix import explain_prefix_cache
 from tracer.format.walk import QueryWalk
 
 __all__ = ["Site", "build_site", "navigation"]
@@ -41,13 +43,15 @@ class Site:
     sources: dict[str, SourcePage]  #: page name -> page
     steps: dict[str, StepPage]  #: page name -> page
     tour: TourPage
+    prefix: PrefixView | None = None  #: ``prefix.html``: the trace's prefix-cache hits and misses
 
 
-def navigation(located: dict[str, LocatedSource]) -> tuple[Link, ...]:
-    """The top bar: index, tour, one link per stored source."""
+def navigation(located: dict[str, LocatedSource], prefix: bool = False) -> tuple[Link, ...]:
+    """The top bar: index, tour, the prefix-cache page (``prefix``), one link per stored source."""
     return (
         Link(INDEX_PAGE, "index"),
         Link(TOUR_PAGE, "tour"),
+        *((Link(PREFIX_PAGE, "prefix cache"),) if prefix else ()),
         *(Link(source_file_page(p), p.rsplit("/", 1)[-1]) for p in ANNOTATED_FILES if p in located),
     )
 
@@ -60,18 +64,28 @@ def build_site(
     walk: QueryWalk | None = None,
     walk_note: str = "",
     replay: ReplayReport | None = None,
+    command: Command = plain_command,
 ) -> Site:
     """All view models of a report for ``trace``.
 
     ``reference`` is the tour's kernel source (``load_reference_source()``), if any;
     ``max_step_pages`` caps the request steps that get a page. ``walk``: one query run
     through the reference loop, for the tour (``walk_note``: why there is none). ``replay``:
-    verdicts computed in memory, shown instead of the trace's ``replay.json``.
+    verdicts computed in memory, shown instead of the trace's ``replay.json``. ``command``
+    spells the ``pagedtrace`` command lines the pages suggest (the CLI passes its parser's).
     """
     verdicts = read_replay(trace) if replay is None else replay_data(replay, IN_MEMORY)
+    if walk is None and not walk_note:
+        walk, walk_note = stored_walk(trace, command)
     texts = {p: t for p in ANNOTATED_FILES if (t := trace.source(p)) is not None}
     located = {p: locate(t, p) for p, t in texts.items()}
-    nav = navigation(located)
+    explained = (
+        explain_prefix_cache(trace)
+        if trace.run.kv_cache is not None and any(r.kind == "request" for r in trace.records)
+        else None
+    )
+    hits = {e.first_step for e in explained or () if e.cached_tokens > 0}
+    nav = navigation(located, prefix=explained is not None)
     records = first_records(trace)
     paged = pages_for_steps(trace.records, max_step_pages)
     default = next((i for i, r in enumerate(records) if r.kind == "request"), 0 if records else None)
@@ -102,12 +116,14 @@ def build_site(
             nav,
             *metadata[r.step],
             sources=source_links,
+            prefix=Link(PREFIX_PAGE, "the prefix-cache hits of this step's requests") if r.step in hits else None,
         )
     return Site(
         index=index_page(trace, verdicts, located, paged),
         sources=sources,
         steps=steps,
-        tour=tour_page(trace, located, paged, reference, nav, walk, walk_note),
+        tour=tour_page(trace, located, paged, reference, nav, walk, walk_note, command),
+        prefix=None if explained is None else build_prefix_view(explained, str(trace.path), nav),
     )
 
 

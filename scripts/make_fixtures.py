@@ -63,11 +63,11 @@ LLAMA = "--model llama-3.1-8b"
 DEFAULT_MODE = "--cudagraph-mode FULL_AND_PIECEWISE"  # vLLM's own default on a GPU
 
 #: Fixture directory name -> how it is made. FlashAttention 3 (vLLM's choice on Hopper) unless
-#: ``--flash-attn-version``; eager unless ``--cudagraph-mode``; tensors unless ``--no-tensors``.
+#: ``--flash-attn-version``; ``--eager`` or a ``--cudagraph-mode``; tensors unless ``--no-tensors``.
 FIXTURES: dict[str, Fixture] = {
     "h200-qwen2.5-7b-eager": Fixture(
         "eager, tensors of the first layer: FA3's layout, replayed",
-        f"{QWEN} --prompts 4 --shared-prefix 32 --prompt-len 8:24 --max-tokens 6 --budget-mb 8",
+        f"{QWEN} --prompts 4 --shared-prefix 32 --prompt-len 8:24 --max-tokens 6 --budget-mb 8 --eager",
         keep_sources=True,
     ),
     "h200-qwen2.5-7b-piecewise": Fixture(
@@ -81,20 +81,23 @@ FIXTURES: dict[str, Fixture] = {
     ),
     "h200-gemma2-softcap-window": Fixture(
         "soft-cap 50 and a 64-token window on layer 0 (not 1), tensors of layers 0 and 1",
-        f"{GEMMA} --prompts 2 --shared-prefix 16 --prompt-len 8:60 --seed 1 --max-tokens 2 --layers 0,1 --budget-mb 10",
+        f"{GEMMA} --prompts 2 --shared-prefix 16 --prompt-len 8:60 --seed 1 --max-tokens 2 --layers 0,1 --budget-mb 10"
+        " --eager",
     ),
     "h200-llama3.1-8b-fp8": Fixture(
         "fp8 KV cache, eager: FA3 quantizes the query too",
-        f"{LLAMA} --prompts 2 --shared-prefix 32 --prompt-len 8:24 --max-tokens 4 --kv-cache-dtype fp8 --budget-mb 4",
+        f"{LLAMA} --prompts 2 --shared-prefix 32 --prompt-len 8:24 --max-tokens 4 --kv-cache-dtype fp8 --budget-mb 4"
+        " --eager",
     ),
     "h200-qwen2.5-7b-bs32-chunked": Fixture(
         "block size 32 and 32-token steps: a prompt's prefill split over steps",
         f"{QWEN} --prompts 2 --shared-prefix 32 --prompt-len 8:40 --block-size 32 --max-num-batched-tokens 32"
-        " --max-tokens 2 --budget-mb 4",
+        " --max-tokens 2 --budget-mb 4 --eager",
     ),
     "h200-qwen2.5-7b-fa2": Fixture(
         "FlashAttention-2, eager",
-        f"{QWEN} --prompts 2 --shared-prefix 32 --prompt-len 8:24 --max-tokens 4 --budget-mb 4 --flash-attn-version 2",
+        f"{QWEN} --prompts 2 --shared-prefix 32 --prompt-len 8:24 --max-tokens 4 --budget-mb 4 --flash-attn-version 2"
+        " --eager",
     ),
     "h200-qwen2.5-7b-fa2-piecewise": Fixture(
         "FlashAttention-2 under PIECEWISE graphs (3 requests: decode batches padded to 4)",

@@ -39,7 +39,7 @@ def _cli(*argv: str, color: bool = False) -> tuple[int, str]:
     """
     out = io.StringIO()
     console = Console(file=out, width=300, force_terminal=True) if color else Console(file=out, width=300)
-    code = main(list(argv), console=console)
+    code = main(list(argv), console=console, errors=console)
     text = out.getvalue()
     assert OSC8 not in text, "a string from the trace became a terminal hyperlink"
     return code, ANSI.sub("", text)
@@ -149,13 +149,13 @@ def test_replay_prints_a_marked_up_layer_and_path_literally(evil_trace):
     assert EVIL_LAYER in out and "all 6 step(s) match" in out
 
 
-def test_replay_json_warns_nothing_and_a_read_only_side_file_is_a_warning(evil_trace, tmp_path):
+def test_replay_json_warns_nothing_and_a_read_only_side_file_is_a_warning(evil_trace, tmp_path, capsys):
     dest = tmp_path / "trace"
     shutil.copytree(evil_trace, dest)
     (dest / "replay.json").mkdir()  # os.replace onto a directory fails, also as root
     code, out = _cli("replay", str(dest), "--steps", "6:8", color=True)
     assert code == 0, out
-    assert "warning: replay.json not written:" in out and "verdicts written" not in out
+    assert "warning: replay.json not written:" in capsys.readouterr().err and "verdicts written" not in out
     code, out = _cli("replay", str(dest), "--steps", "6:8", "--json")
     assert code == 0 and json.loads(out)["ok"] is True
 
@@ -188,7 +188,7 @@ def test_diff_show_step_and_export_print_markup_literally(evil_trace, tmp_path):
     assert f"#0 ({EVIL_REQUEST})" in out  # a request id, whole
     code, out = _cli("diff", str(FIXTURE), str(evil_trace), "--no-tensors", color=True)
     assert code == 1, out  # the model names differ
-    assert f"│ model │ qwen2.5-7b-instruct │ qwen{MARKUP} │" in out and "(requests matched by prompt tokens)" in out
+    assert f"run settings: model qwen2.5-7b-instruct vs qwen{MARKUP}" in out and "matched by prompt tokens" in out
     code, out = _cli("step", str(evil_trace), "--step", "5", "--request", "0", "--head", "1", color=True)
     assert code == 0, out
     assert f"step 5 {EVIL_LAYER}: request {EVIL_REQUEST}," in out

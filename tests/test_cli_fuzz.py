@@ -204,7 +204,8 @@ def test_mutated_traces_through_the_cli_exit_0_1_2_without_a_traceback(tmp_path,
 
 def _main(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
-    code = main(list(argv), console=Console(file=out, width=300))
+    console = Console(file=out, width=300)
+    code = main(list(argv), console=console, errors=console)
     return code, out.getvalue()
 
 
@@ -228,3 +229,17 @@ def test_a_kv_cache_stride_shorter_than_its_shape_is_a_trace_error(tmp_path):
     assert code == 2, out
     assert out.startswith("error: ") and out.count("\n") == 1
     assert "RunInfo.kv_cache.stride: 3 strides for the 4-D shape" in out
+
+
+def test_a_tensor_file_name_holding_a_newline_is_a_one_line_error(tmp_path, capsys):
+    """A ``tensors`` name with a newline in ``steps.jsonl`` gave a two-line message; its escape is printed instead."""
+    write_cli_base_trace(tmp_path / "t")
+    steps = tmp_path / "t" / "steps.jsonl"
+    lines = steps.read_text().splitlines()
+    record = json.loads(lines[1])
+    record["tensors"] = "bad\nname.safetensors"
+    lines[1] = json.dumps(record)
+    steps.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(tmp_path / "t"), "--no-save"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "bad\\nname" in captured.err, captured.err

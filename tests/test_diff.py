@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 
 import pytest
+from rich.console import Console
 
 from pagedtrace.cli import main
 from reference_impl.trace_diff import output_differences
@@ -104,3 +106,30 @@ def test_block_size_32_vs_16(cpu_trace, cpu_trace_block16):
     blocks = {d.name: (d.a, d.b) for d in pair.differences}["blocks"]
     assert blocks[1] == 2 * blocks[0] or blocks[1] == 2 * blocks[0] - 1
     assert diff.outputs and all(o.ok for o in diff.outputs)
+
+
+def test_identical_traces_are_one_line_and_exit_0(tmp_path):
+    """``diff t t`` printed a table per request, every output row and a last word; now one line."""
+    out = io.StringIO()
+    assert main(["diff", str(H200), str(H200)], Console(file=out, width=200)) == 0
+    assert out.getvalue() == (
+        "same: 4 requests matched by prompt tokens, 24 aligned steps, nothing differs, 24 outputs within the bar\n"
+    )
+
+
+def test_a_diff_leads_with_the_answer_and_lists_only_what_differs(tmp_path):
+    replayed = tmp_path / "replayed"
+    shutil.copytree(H200, replayed)
+    assert main(["replay", str(replayed)], Console(file=io.StringIO())) == 0  # A has verdicts, B none
+    out = io.StringIO()
+    code = main(["diff", str(replayed), str(FIXTURES / "h200-qwen2.5-7b-piecewise")], Console(file=out, width=200))
+    text = out.getvalue()
+    assert code == 1
+    lines = text.splitlines()
+    assert lines[0].startswith("differs: A = ") and lines[1] == (
+        "  run settings: cudagraph_mode NONE vs PIECEWISE; num_blocks 119500 vs 119559"
+    )
+    assert "replay verdict" not in text  # B was not replayed: no verdict to compare
+    assert "within" not in text.split("\n", 5)[-1]  # no output row within the bar
+    rows = [line for line in lines if line.startswith("│ #")]
+    assert len(rows) == 2 and all("token at position" in row for row in rows)  # one row per run of steps

@@ -122,7 +122,7 @@ def test_show_a_trace_whose_first_request_step_vllm_failed_in(tmp_path, capsys):
 
 def test_show_rejects_a_non_trace(tmp_path, capsys):
     assert main(["show", str(tmp_path)]) == 2
-    assert "error" in capsys.readouterr().out
+    assert capsys.readouterr().err.startswith("error: ")
 
 
 def test_report_has_a_prefix_page(tmp_path):
@@ -142,3 +142,11 @@ def test_explains_a_real_cpu_trace(cpu_trace, cpu_session):
     for e in rest:
         assert e.cached_tokens == 64 and all(b.same_tokens for b in e.blocks)
         assert e.miss.kind == "different-token" and e.miss.position == 64
+
+
+def test_a_block_that_served_several_requests_names_them_all():
+    """The miss named only the closest request (``#1 was served from it``) where #1-#3 all were."""
+    misses = [e.miss.text for e in explain_prefix_cache(Trace.open(H200)) if "served from it" in e.miss.text]
+    assert misses == [
+        "this request computed block 0 (positions 0-15) first, in physical block 1; #1, #2 and #3 were served from it"
+    ]

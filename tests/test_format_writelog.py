@@ -339,6 +339,7 @@ def test_a_well_formed_record_reads(tmp_path):
         ({"kv_new_blocks": None, "kv_new_block_ids": None}, "without tensors kv_new_block_ids, kv_new_blocks$"),
         ({"kv_slots": torch.tensor([80.0])}, r"tensor kv_slots has shape \[1\] torch.float32, expected 1-D integers"),
         ({"kv_slots": torch.tensor([NB * BS])}, rf"tensor kv_slots names slots outside 0\.\.{NB * BS - 1}"),
+        ({"kv_slots": torch.tensor([NB * BS], dtype=torch.uint64)}, r"tensor kv_slots names slots outside"),
         ({"kv_slots": torch.tensor([80, 81]), "kv_written": torch.zeros(2, 2, HKV, D).bfloat16()},
          r"tensor kv_slots has 2 slots, more than slot_mapping's 1"),
         ({"kv_written": torch.zeros(1, HKV, 2 * D).bfloat16()},
@@ -354,7 +355,7 @@ def test_a_well_formed_record_reads(tmp_path):
         ({"kv_new_blocks": torch.zeros(2, HKV, BS, 2 * D, dtype=torch.uint8)},
          "tensor kv_new_blocks is uint8, the KV cache is bfloat16"),
     ],
-    ids=["no-slots", "no-new-blocks", "float-slots", "slot-outside", "too-many-slots", "written-shape",
+    ids=["no-slots", "no-new-blocks", "float-slots", "slot-outside", "uint64-slots", "too-many-slots", "written-shape",
          "written-dtype", "ids-order", "ids-outside", "blocks-count", "blocks-shape", "blocks-dtype"],
 )  # fmt: skip
 def test_bad_write_log_tensors_are_one_line_errors(tmp_path, changes, message):

@@ -43,7 +43,8 @@ def _with_records(trace: Trace, change) -> Trace:
 def _cli(*argv: str) -> tuple[int, str]:
     """Run ``pagedtrace`` in-process; return (exit code, everything it printed)."""
     out = io.StringIO()
-    code = main(list(argv), console=Console(file=out, width=400, color_system=None))
+    console = Console(file=out, width=400, color_system=None)
+    code = main(list(argv), console=console, errors=console)
     return code, out.getvalue()
 
 

@@ -12,10 +12,12 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 from dataclasses import replace
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ from reports.common import step_page
 from reports.index_page import unrecorded_steps
 from reports.layout_view import layout_view
 from reports.step_pages import MAX_OTHER_PAGES, pages_for_steps, slot_runs, step_view
-from reports.tour import BLOCK_MARK, SOFTMAX_MARK, load_reference_source, tour_marks
+from reports.tour import BLOCK_MARK, SOFTMAX_MARK, load_reference_source, plain_command, tour_marks
 from reports.verdicts import layer_verdicts, read_replay
 from reports.viewmodel import build_site
 from tests.conftest import FIXTURES
@@ -58,6 +60,7 @@ from tracer.format import (
     store_sources,
 )
 from tracer.format.layouts import element_offset
+from tracer.format.prefix import explain_prefix_cache
 from tracer.format.walk import BlockLine, QueryWalk
 
 GOLD = Path(__file__).parent / "gold" / "report"
@@ -589,7 +592,7 @@ def test_untrusted_strings_render_inert(tmp_path):
 def run_cli(argv: list[str]) -> tuple[int, str]:
     """Run ``pagedtrace`` in-process; return (exit code, printed text)."""
     console = Console(file=io.StringIO(), width=300, record=True, color_system=None)
-    code = cli.main(argv, console=console)
+    code = cli.main(argv, console=console, errors=console)
     return code, console.export_text()
 
 
@@ -741,15 +744,89 @@ def test_tour_shows_the_walked_values_beside_the_loop(trace_dir):
     assert "No trace values beside the loop" not in html
 
 
-def test_report_command_walks_a_real_query_for_the_tour(tmp_path):
-    code, out = run_cli(["report", str(FIXTURES / "h200-qwen2.5-7b-eager"), "-o", str(tmp_path / "site")])
+#: ``python -c`` that runs ``pagedtrace ARGV`` with torch and vLLM unimportable (a meta-path finder refuses them).
+NO_TORCH = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "vllm"):
+            raise ImportError(f"{name} is blocked in this test")
+sys.meta_path.insert(0, Refuse())
+from pagedtrace.cli import main
+code = main(sys.argv[1:])
+print("TORCH", "torch" in sys.modules)
+sys.exit(code)
+"""
+
+
+def _tour_command(tour: str) -> list[str]:
+    """The ``pagedtrace step`` line the tour shows, as argv (after ``pagedtrace``)."""
+    found = re.search(r"<code>pagedtrace (step [^<]*)</code>", tour)
+    assert found, "the tour shows no pagedtrace step command"
+    return shlex.split(unescape(found.group(1)))
+
+
+def test_report_builds_without_torch_and_shows_the_walk_replay_kept(tmp_path):
+    trace = tmp_path / "trace"
+    shutil.copytree(FIXTURES / "h200-qwen2.5-7b-eager", trace)
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, "report", str(trace), "-o", str(site)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("TORCH False")
+    tour = (site / "tour.html").read_text()
+    # Not replayed yet: the tour names the command that walks a query, and that command runs.
+    found = re.search(r"No trace values beside the loop yet: pagedtrace (replay [^ ]+) walks", tour)
+    assert found, tour
+    code, out = run_cli(shlex.split(unescape(found.group(1))))
     assert code == 0, out
-    tour = (tmp_path / "site" / "tour.html").read_text()
+    assert (trace / "walk.json").is_file()
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, "report", str(trace), "-o", str(site)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("TORCH False"), proc.stderr
+    tour = (site / "tour.html").read_text()
     # Step 4 is the prefill; its longest row is request 3-aa55e2f0 (56 tokens: 4 blocks).
     assert "step 4, layer model.layers.0.self_attn.attn, request 3-aa55e2f0" in tour
     assert re.search(r"physical  j=0: \d+, j=1: \d+, j=2: \d+, j=3: \d+<", tour)
     assert re.search(r"n_valid  j=0: 16, j=1: 16, j=2: 16, j=3: 8<", tour)
     assert "(within replay&#39;s bar" in tour
+    argv = _tour_command(tour)
+    assert argv == ["step", str(trace), "--step", "4", "--request", "3-aa55e2f0", "--head", "0"]
+    code, out = run_cli(argv)  # the tour's command runs as printed
+    assert code == 0 and "vLLM's output, head 0" in out, out
+
+
+def test_the_tours_commands_are_spelled_by_the_cli_parser():
+    from pagedtrace.cli import command_line
+
+    assert (
+        command_line("step", "t", step=4, request="3-a", head=0) == "pagedtrace step t --step 4 --request 3-a --head 0"
+    )
+    assert command_line("step", "t", step=4, request="3-a") == plain_command("step", "t", step=4, request="3-a")
+    with pytest.raises(ValueError, match="no option"):
+        command_line("step", "t", stepp=4)
+    with pytest.raises(ValueError, match="refuses"):
+        command_line("step", "t", head=0)  # --step and --request are required
+
+
+def test_the_prefix_page_has_the_nav_bar_and_is_linked_from_the_index_and_steps_with_a_hit(tmp_path):
+    out = tmp_path / "site"
+    write_report(FIXTURES / "h200-qwen2.5-7b-eager", out)
+    prefix = (out / "prefix.html").read_text()
+    assert "<nav>" in prefix and '<a href="index.html">index</a>' in prefix and 'href="style.css"' in prefix
+    assert '<a href="prefix.html">prefix cache</a>' in (out / "index.html").read_text()
+    hits = {
+        e.first_step
+        for e in explain_prefix_cache(Trace.open(FIXTURES / "h200-qwen2.5-7b-eager"))
+        if e.cached_tokens > 0
+    }
+    assert hits
+    for page in sorted(out.glob("step-*.html")):
+        step = int(page.stem.split("-")[1])
+        linked = "the prefix-cache hits of this step" in page.read_text()
+        assert linked == (step in hits), page.name
 
 
 def test_report_refuses_a_foreign_directory_and_cleans_its_own(trace_dir, tmp_path):

@@ -49,7 +49,8 @@ def doc_recipe() -> list[str]:
 
 def _cli(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
-    code = main(list(argv), console=Console(file=out, width=300, color_system=None))
+    console = Console(file=out, width=300, color_system=None)
+    code = main(list(argv), console=console, errors=console)
     return code, out.getvalue()
 
 

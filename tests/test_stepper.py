@@ -109,8 +109,8 @@ def test_step_command(capsys):
 )
 def test_step_command_rejects_bad_input(argv, message, capsys):
     assert main(["step", str(H200), *argv]) == 2
-    out = capsys.readouterr().out
-    assert message in out and len(out.strip().splitlines()) <= 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and len(captured.err.strip().splitlines()) == 1
 
 
 @pytest.mark.browser

@@ -65,8 +65,8 @@ def test_replay_of_a_missing_directory_answers_before_torch_loads(tmp_path):
         "print('CODE', code, 'torch' in sys.modules, 'vllm' in sys.modules)"
     )
     assert proc.returncode == 0, proc.stderr
-    assert f"error: {missing}: not a trace directory" in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1] == "CODE 2 False False"
+    assert proc.stderr == f"error: {missing}: not a trace directory\n"
+    assert proc.stdout.strip() == "CODE 2 False False"
 
 
 def test_report_repeats_the_step_page_limit_it_may_not_import():
@@ -88,6 +88,11 @@ def test_report_repeats_the_step_page_limit_it_may_not_import():
         (["--budget-mb", "0"], "error: --budget-mb must be > 0 MiB, got 0"),
         (["--model", "/no/such/dir"], "error: --model /no/such/dir: no such directory"),
         (["--model", "./nope"], "error: --model ./nope: no such directory"),
+        (["--block-size", "7"], "error: --block-size 7: vLLM's attention backends take a multiple of 16 (16, 32, 48,"),
+        (["--kv-cache-dtype", "fp9"], "error: --kv-cache-dtype fp9: use one of auto, float16, bfloat16, fp8, "),
+        (["--cudagraph-mode", "BOGUS"], "use one of NONE, PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE"),
+        (["--max-model-len", "64"], "error: --max-model-len 64: the longest prompt is 154 tokens and --max-tokens"),
+        (["--gpu-memory-utilization", "1.5"], "error: --gpu-memory-utilization must be in (0, 1], got 1.5"),
     ],
 )
 def test_bad_run_arguments_are_one_line_exit_2_and_leave_no_directory(tmp_path, argv, message):
@@ -97,11 +102,8 @@ def test_bad_run_arguments_are_one_line_exit_2_and_leave_no_directory(tmp_path, 
         f"code = main(['run', '-o', {str(out)!r}, *{argv!r}]); "
         "print('CODE', code, 'vllm' in sys.modules, 'torch' in sys.modules)"
     )
-    text = proc.stdout + proc.stderr
-    assert message in text, text
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert len(lines) == 2, lines  # the message, and the CODE line
-    assert proc.stdout.strip().splitlines()[-1] == "CODE 2 False False"
+    assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr  # one line, on stderr
+    assert proc.stdout.strip() == "CODE 2 False False"
     assert not out.exists()
 
 
@@ -116,9 +118,10 @@ def test_a_model_directory_is_checked_against_its_own_config(tmp_path):
     assert code == 2 and not (tmp_path / "t").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
-    out = io.StringIO()
-    assert main(["run", "-o", str(tmp_path / "t"), "--model", str(empty)], Console(file=out, width=300)) == 2
-    assert out.getvalue() == f"error: {empty}: no config.json (not a model directory)\n"
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["run", "-o", str(tmp_path / "t"), "--model", str(empty)]
+    assert main(argv, Console(file=out, width=300), Console(file=err, width=300)) == 2
+    assert out.getvalue() == "" and err.getvalue() == f"error: {empty}: no config.json (not a model directory)\n"
 
 
 def test_selection_accepts_the_tables_layer_names_and_refuses_empty_step_ranges():
@@ -141,7 +144,8 @@ def gemma(tmp_path_factory) -> Path:
 def _annotate(trace: Path, *argv: str) -> tuple[int, str]:
     out = io.StringIO()
     argv = ("annotate", "flash_attn.py", "--trace", str(trace), "--step", "4", "--context", "0", *argv)
-    code = main(list(argv), Console(file=out, width=PIPED_WIDTH))
+    console = Console(file=out, width=PIPED_WIDTH)
+    code = main(list(argv), console, console)
     return code, out.getvalue()
 
 
@@ -186,10 +190,13 @@ def test_annotate_piped_keeps_every_value_and_line_number_whole():
     assert not re.search(r" +\n", out), "trailing blanks (table padding) in piped output"
     notes, count = _expected_notes()
     assert len(notes) > 5 and count > 900
-    by_number = {int(m.group(1)): m.group(0) for m in re.finditer(r"^ *(\d+) .*$", out, re.M)}
+    # A row and the lines its wrapped values continue on (no line number), blanks dropped.
+    rows = re.findall(r"^ *(\d+) (.*(?:\n(?! *\d+ ).*)*)", out, re.M)
+    by_number = {int(n): re.sub(r"\s+", "", text) for n, text in rows}
+    assert max(map(len, out.splitlines())) <= 200  # values wrap within the piped width
     for number, text in notes:
         assert number in by_number, f"line {number} missing or its number cut"
-        assert text.splitlines()[0] in by_number[number], (number, text)
+        assert re.sub(r"\s+", "", text.splitlines()[0]) in by_number[number], (number, text)
     assert not re.search(r"^ *\d+…", out, re.M), "a line number was cut"
 
 

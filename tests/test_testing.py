@@ -574,7 +574,8 @@ def test_plugin_fixture_in_your_own_tests(pytester):
 
 def _cli(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
-    code = main(list(argv), console=Console(file=out, width=300, color_system=None))
+    console = Console(file=out, width=300, color_system=None)
+    code = main(list(argv), console=console, errors=console)
     return code, out.getvalue()
 
 

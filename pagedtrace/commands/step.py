@@ -10,8 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pagedtrace.commands import literal
-from tracer.format import Trace
+from pagedtrace.commands import add_lax, literal, open_trace, positive_int
 from tracer.format.walk import QueryWalk
 
 
@@ -31,18 +30,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head", type=int, default=0, help="query head (default 0)")
     p.add_argument("--layer", default=None, help="layer name (default: the first recorded)")
     p.add_argument("--token", type=int, default=None, help="query row within the request (default: its last)")
-    p.add_argument("--partition-size", type=int, default=None, help="v2 partition, tokens (default: 2 blocks)")
+    p.add_argument(
+        "--partition-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="v2 partition, tokens: a multiple of the block size, as vLLM's (default: 2 blocks)",
+    )
     p.add_argument("--json", action="store_true", help="print the walk as JSON")
     p.add_argument("--html", metavar="FILE", help="also write the walk as a static HTML page")
+    add_lax(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Walk, print, optionally write the page."""
+    from pagedtrace.cli import UsageError
     from reference_impl.stepper import walk_query
 
+    trace = open_trace(args.trace, args)
+    block_size = trace.run.kv_cache.block_size if trace.run.kv_cache else None
+    if args.partition_size is not None and block_size and args.partition_size % block_size:
+        raise UsageError(
+            f"--partition-size {args.partition_size}: a partition holds whole blocks: use a multiple of the "
+            f"block size ({block_size})"
+        )
     walk = walk_query(
-        Trace.open(args.trace),
+        trace,
         args.step,
         args.request,
         args.head,

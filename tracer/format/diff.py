@@ -25,7 +25,12 @@ from tracer.format.requests import Appearance, RequestView, request_layer, reque
 from tracer.format.store import REPLAY, Trace
 from tracer.format.verdicts import ReplayReport
 
-__all__ = ["FieldDiff", "OutputDiff", "PairDiff", "RequestDiff", "TraceDiff", "diff_traces"]
+__all__ = ["CACHED_FACT", "FieldDiff", "OutputDiff", "PairDiff", "RequestDiff", "TraceDiff", "diff_traces"]
+
+#: The fact compared only when both traces were replayed.
+REPLAY_FACT = "replay verdict"
+#: The fact that tells a prefix-cache hit: tokens already in the cache when the step ran.
+CACHED_FACT = "context_len (cached before the step)"
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,7 @@ class _Side:
         shared_tokens, partners = _shared(record, app.row, self.block_size, names)
         facts: dict[str, Any] = {
             "query_len": app.query_len,
-            "context_len (cached before the step)": app.context_len,
+            CACHED_FACT: app.context_len,
             "blocks": len(app.blocks),
             "shared tokens (blocks other requests hold)": shared_tokens,
             "shared with": partners,
@@ -224,7 +229,7 @@ class _Side:
             facts["tokens"] = list(view.tokens[: app.seq_len])
         if app.step in self.verdicts:
             ok, worst = self.verdicts[app.step]
-            facts["replay verdict"] = f"{'match' if ok else 'MISMATCH'} (worst {worst:.3g})"
+            facts[REPLAY_FACT] = f"{'match' if ok else 'MISMATCH'} (worst {worst:.3g})"
         return facts
 
 
@@ -238,7 +243,13 @@ def _pair(side_a: _Side, side_b: _Side, va: RequestView, vb: RequestView, names:
             continue
         fa, fb = side_a.facts(va, app, names[0]), side_b.facts(vb, other, names[1])
         diffs = []
-        for key in fa.keys() | fb.keys():
+        # A verdict on one side only (B not replayed) says nothing about what differs.
+        keys = (
+            fa.keys() | fb.keys()
+            if REPLAY_FACT in fa and REPLAY_FACT in fb
+            else (fa.keys() | fb.keys()) - {REPLAY_FACT}
+        )
+        for key in keys:
             if fa.get(key) != fb.get(key):
                 a_value, b_value = fa.get(key), fb.get(key)
                 if key == "tokens" and a_value is not None and b_value is not None:

@@ -253,12 +253,19 @@ def _miss(
         )
     physical = held.blocks[k] if k < len(held.blocks) else None
     if physical is not None and k < len(view.first.blocks) and physical == view.first.blocks[k]:
+        served = [
+            v.label
+            for v in views.values()
+            if v.request_id != view.request_id and k < len(v.first.blocks) and v.first.blocks[k] == physical
+        ] or [donor.label]
+        served.sort(key=lambda label: (len(label), label))  # #2 before #10
+        who = served[0] if len(served) == 1 else f"{', '.join(served[:-1])} and {served[-1]}"
         return Miss(
             "never-cached",
             k,
             None,
             f"this request computed block {k} (positions {start}-{end - 1}) first, in physical block "
-            f"{physical}; {donor.label} was served from it",
+            f"{physical}; {who} {'was' if len(served) == 1 else 'were'} served from it",
         )
     if physical is not None:
         moved = writes.reused(physical, held.step, view.first.step, donor.request_id)

@@ -263,7 +263,8 @@ def _check_written(r: Any, where: str, tensors: Mapping[str, Any], spec: Any | N
                 f"{where}: tensor kv_slots has {count} slots, more than slot_mapping's {len(r.slot_mapping)}"
             )
         limit = spec.num_blocks * spec.block_size if spec is not None else INT64_MAX
-        if count and (int(slots.min()) < 0 or int(slots.max()) >= limit):
+        values = slots.tolist()  # not slots.min(): torch has no min of a uint64 tensor
+        if count and (min(values) < 0 or max(values) >= limit):
             raise TraceError(f"{where}: tensor kv_slots names slots outside 0..{limit - 1}")
     if written is not None:
         shape = _shape(written)

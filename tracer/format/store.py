@@ -225,7 +225,7 @@ class Trace:
             if strict:
                 raise TraceError(
                     f"{where} ({len(self.records) + len(self.gaps)} valid records before it; "
-                    "open with strict=False to read them)"
+                    "--lax reads them, strict=False in Python)"
                 )
             self.problems.append(where)
             if len(line) > MAX_LINE_BYTES:

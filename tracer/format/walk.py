@@ -5,6 +5,9 @@ reference kernel's own block loop (``paged_attention_loop``) with its ``on_block
 ``reports.stepper_page`` draws them without torch. ``to_json`` / ``from_json`` carry
 them between the two (``pagedtrace step --json``).
 
+The report's tour shows one walk: the query :func:`tour_target` picks, walked by ``pagedtrace
+replay`` and kept in the trace as :data:`TOUR_WALK`, so that a report builds without torch.
+
 Standard library only.
 """
 
@@ -14,9 +17,13 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tracer.format.records import TraceError
+from tracer.format.records import StepRecord, TraceError
+from tracer.format.store import Trace
 
-__all__ = ["BlockLine", "KernelLine", "PartitionLine", "QueryWalk"]
+__all__ = ["TOUR_WALK", "BlockLine", "KernelLine", "PartitionLine", "QueryWalk", "read_tour_walk", "tour_target"]
+
+#: The side file in a trace that holds the tour's walk (written by ``pagedtrace replay``).
+TOUR_WALK = "walk.json"
 
 
 def _num(x: float | None) -> float | None:
@@ -127,3 +134,35 @@ class QueryWalk:
             return cls(**body)
         except (AttributeError, KeyError, TypeError) as exc:
             raise TraceError(f"not a query walk: {exc}") from None
+
+
+def tour_target(trace: Trace) -> tuple[int, str, str] | None:
+    """``(step, request id, layer)`` of the query the tour walks, or None (no tensors).
+
+    The first request step with tensors (the first traced layer), its row with the most
+    blocks: the most iterations of the loop to show.
+    """
+    layer = trace.layers[0] if trace.layers else None
+    records: list[StepRecord] = [
+        r for r in trace.records if r.kind == "request" and r.tensors is not None and r.layer == layer
+    ]
+    if not records or not records[0].request_ids:
+        return None
+    record = records[0]
+    row = max(range(len(record.seq_lens)), key=lambda i: (record.seq_lens[i], -i))
+    return record.step, record.request_ids[row], record.layer
+
+
+def read_tour_walk(trace: Trace) -> QueryWalk | None:
+    """The walk ``pagedtrace replay`` kept for the tour (:data:`TOUR_WALK`); None if there is none.
+
+    Raises ``TraceError`` when the file is unreadable or its walk is not of this trace's target.
+    """
+    data = trace.read_json(TOUR_WALK)
+    if data is None:
+        return None
+    walk = QueryWalk.from_json(data)
+    target = tour_target(trace)
+    if target is None or (walk.step, walk.request_id, walk.layer) != target:
+        raise TraceError(f"{trace.path / TOUR_WALK}: a walk of step {walk.step}, not of the query the tour shows")
+    return walk
