@@ -8,6 +8,7 @@ with jinja2 (autoescaping on, undefined names an error) and writes::
     tour.html               the reading checklist, linked into the pages
     src-<name>.html         one annotated source per stored vLLM file
     step-NNNNNN.html        one page per request step (the first 200 by default) and a few others
+    attention-NNNNNN-Lk.html  attention weights of a captured (step, layer), when the caller computed them
     style.css, report.js    shared assets (package data)
     .pagedtrace-report      the marker: what was written (JSON), so that a rebuild removes stale pages
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -36,6 +38,7 @@ from reports.step_pages import MAX_REQUEST_PAGES
 from reports.tour import load_reference_source
 from reports.viewmodel import Site, build_site
 from tracer.format import ReplayReport, Trace
+from tracer.format.attention import AttentionMap
 from tracer.format.prefix import explain_prefix_cache
 from tracer.format.walk import QueryWalk
 
@@ -100,12 +103,15 @@ def render_site(site: Site, env: jinja2.Environment | None = None) -> dict[str, 
     source = env.get_template("source.html")
     step = env.get_template("step.html")
     tour = env.get_template("tour.html")
+    attention = env.get_template("attention.html")
     nav = site.tour.nav
     pages = {INDEX_PAGE: index.render(page=site.index, nav=nav), TOUR_PAGE: tour.render(page=site.tour, nav=nav)}
     for name, source_page in site.sources.items():
         pages[name] = source.render(page=source_page, nav=source_page.nav)
     for name, step_page in site.steps.items():
         pages[name] = step.render(page=step_page, nav=step_page.nav)
+    for name, attention_page in site.attention.items():
+        pages[name] = attention.render(page=attention_page, nav=attention_page.nav)
     return pages
 
 
@@ -147,6 +153,7 @@ def write_report(
     walk_note: str = "",
     replay: ReplayReport | None = None,
     force: bool = False,
+    attention: Sequence[AttentionMap] = (),
 ) -> BuildResult:
     """Build the report of ``trace_dir`` into ``out_dir``; return what was written.
 
@@ -155,7 +162,9 @@ def write_report(
     loop (the tour shows its values; ``walk_note`` says why there is none), ``replay``
     verdicts computed in memory (shown instead of ``replay.json``): both come from the
     caller, which may import torch; this module never does. ``force``: write into a
-    non-empty directory that is not a report.
+    non-empty directory that is not a report. ``attention``: attention weights of captured
+    steps (``tracer.format.attention.AttentionMap``, computed by the caller): an attention page
+    per (step, layer), linked from the step pages.
 
     The trace is opened tolerantly (``strict=False``): a truncated last line is
     listed on the index page instead of failing the build. A directory that is
@@ -170,6 +179,7 @@ def write_report(
         walk=walk,
         walk_note=walk_note,
         replay=replay,
+        attention=attention,
     )
     pages = render_site(site)
     if trace.run.kv_cache is not None and any(r.kind == "request" for r in trace.records):

@@ -15,18 +15,22 @@ One module per page family builds its pages; this one puts them together:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from annotations.anchors import ANNOTATED_FILES
 from annotations.annotate import annotate_file
 from annotations.locate import LocatedSource, locate
+from reports.attention_pages import MAX_ATTENTION_PAGES, AttentionPage, attention_page, attention_page_name
 from reports.common import INDEX_PAGE, TOUR_PAGE, Link, first_records, source_file_page, step_page
 from reports.index_page import IndexPage, index_page
 from reports.source_pages import SourcePage, source_page
 from reports.step_pages import MAX_REQUEST_PAGES, StepPage, pages_for_steps, step_view
 from reports.tour import TourPage, tour_page
 from reports.verdicts import IN_MEMORY, ReplayData, read_replay, replay_data
-from tracer.format import MetadataCheck, ReplayReport, Trace
+from tracer.format import MetadataCheck, ReplayReport, StepRecord, Trace
+from tracer.format.attention import AttentionMap
+from tracer.format.groups import TraceGroups, trace_groups
 from tracer.format.metadata import check_records
 from tracer.format.walk import QueryWalk
 
@@ -41,6 +45,7 @@ class Site:
     sources: dict[str, SourcePage]  #: page name -> page
     steps: dict[str, StepPage]  #: page name -> page
     tour: TourPage
+    attention: dict[str, AttentionPage] = field(default_factory=dict)  #: page name -> page
 
 
 def navigation(located: dict[str, LocatedSource]) -> tuple[Link, ...]:
@@ -60,13 +65,16 @@ def build_site(
     walk: QueryWalk | None = None,
     walk_note: str = "",
     replay: ReplayReport | None = None,
+    attention: Sequence[AttentionMap] = (),
 ) -> Site:
     """All view models of a report for ``trace``.
 
     ``reference`` is the tour's kernel source (``load_reference_source()``), if any;
     ``max_step_pages`` caps the request steps that get a page. ``walk``: one query run
     through the reference loop, for the tour (``walk_note``: why there is none). ``replay``:
-    verdicts computed in memory, shown instead of the trace's ``replay.json``.
+    verdicts computed in memory, shown instead of the trace's ``replay.json``. ``attention``:
+    the weights of captured steps (``reference_impl.attention_weights``, from the CLI), one page
+    per (step, layer), the first ``MAX_ATTENTION_PAGES``, each linked from its step's page.
     """
     verdicts = read_replay(trace) if replay is None else replay_data(replay, IN_MEMORY)
     texts = {p: t for p in ANNOTATED_FILES if (t := trace.source(p)) is not None}
@@ -88,6 +96,11 @@ def build_site(
     paged_records = [r for r in records if r.step in paged]
     source_links = tuple(link for link in nav if link.href.startswith("src-"))
     metadata = _step_metadata(trace, verdicts, {r.step for r in paged_records})
+    groups = trace_groups(trace)
+    attention_pages = _attention_pages(attention, nav)
+    attention_links: dict[int, list[Link]] = {}
+    for name, page in attention_pages.items():
+        attention_links.setdefault(page.step, []).append(Link(name, page.layer))
     steps = {}
     for i, r in enumerate(paged_records):
         prev = paged_records[i - 1].step if i > 0 else None
@@ -102,13 +115,40 @@ def build_site(
             nav,
             *metadata[r.step],
             sources=source_links,
+            groups=groups,
+            group_records=_other_groups(trace, r, groups),
+            attention=attention_links.get(r.step, ()),
         )
     return Site(
         index=index_page(trace, verdicts, located, paged),
         sources=sources,
         steps=steps,
         tour=tour_page(trace, located, paged, reference, nav, walk, walk_note),
+        attention=attention_pages,
     )
+
+
+def _other_groups(trace: Trace, record: StepRecord, groups: TraceGroups) -> list[StepRecord]:
+    """One record of each KV-cache group other than ``record``'s at its step (each gets a grid)."""
+    seen = {getattr(groups.of_record(record), "group", None)}
+    out = []
+    for r in trace.records:
+        if r.step == record.step and r is not record:
+            group = groups.of_record(r)
+            if group is not None and group.group not in seen:
+                seen.add(group.group)
+                out.append(r)
+    return out
+
+
+def _attention_pages(maps: Sequence[AttentionMap], nav: tuple[Link, ...]) -> dict[str, AttentionPage]:
+    """One page per (step, layer) of ``maps``, the first ``MAX_ATTENTION_PAGES``."""
+    by_page: dict[str, list[AttentionMap]] = {}
+    for m in maps:
+        name = attention_page_name(m.step, m.layer)
+        if name in by_page or len(by_page) < MAX_ATTENTION_PAGES:
+            by_page.setdefault(name, []).append(m)
+    return {name: attention_page(ms, nav) for name, ms in by_page.items()}
 
 
 def _step_metadata(trace: Trace, replay: ReplayData, steps: set[int]) -> dict[int, tuple[list[MetadataCheck], str]]:

@@ -5,7 +5,9 @@ query through the reference loop (``reference_impl.stepper.walk_query``) and han
 torch-free record (``tracer.format.walk.QueryWalk``) to the builder for the tour, and with
 ``--replay`` it replays the trace in memory and shows those verdicts, writing nothing into
 the trace (the committed fixtures live in the repository). Computed here rather than read
-from a file in the trace, the tour's values always match the kernel the tour shows.
+from a file in the trace, the tour's values always match the kernel the tour shows. The
+attention pages' weights are computed here too (``reference_impl.attention_weights``) and
+handed over as ``tracer.format.attention.AttentionMap`` records.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ from rich.text import Text
 
 from pagedtrace.cli import UsageError
 from tracer.format import ReplayReport, Trace, TraceError
+from tracer.format.attention import AttentionMap
 from tracer.format.walk import QueryWalk
 
 if TYPE_CHECKING:  # jinja2 and libcst load when a report is written, not when the CLI parses
     from reports.build import BuildResult
+
+#: Requests of one step drawn on its attention page at most.
+MAX_MAP_REQUESTS = 8
 
 #: ``reports.step_pages.MAX_REQUEST_PAGES``, repeated so that building the parser imports no
 #: jinja2 or libcst (``tests/test_terminal.py`` checks that the two agree).
@@ -98,6 +104,27 @@ def tour_walk(trace: Trace) -> tuple[QueryWalk | None, str]:
         return None, f"No trace values beside the loop: walking step {step} failed ({exc})."
 
 
+def attention_maps(trace: Trace) -> tuple[list[AttentionMap], str]:
+    """The attention weights of the first captured (step, layer)s with tensors, for the attention pages."""
+    try:
+        from reference_impl.attention_weights import attention_map, step_weights
+        from reports.attention_pages import MAX_ATTENTION_PAGES
+    except ImportError as exc:
+        return [], f"no attention pages: the reference kernel could not be imported here ({exc})"
+    maps: list[AttentionMap] = []
+    done = 0
+    for record in trace.records:
+        if record.tensors is None or done >= MAX_ATTENTION_PAGES:
+            continue
+        try:
+            weights = step_weights(trace, record.step, layer=record.layer)
+        except (TraceError, RuntimeError, ValueError) as exc:
+            return maps, f"attention pages stop at step {record.step} {record.layer}: {exc}"
+        maps.extend(attention_map(trace, weights, seq) for seq in weights.sequences[:MAX_MAP_REQUESTS])
+        done += 1
+    return maps, ""
+
+
 def replay_in_memory(trace: Trace) -> ReplayReport:
     """Replay every step with tensors, as ``pagedtrace replay`` does, without saving ``replay.json``."""
     from reference_impl.replay import replay_trace
@@ -118,6 +145,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             trace = Trace.open(args.trace, strict=False)
             walk, walk_note = tour_walk(trace)
             replay = replay_in_memory(trace) if args.replay else None
+            maps, maps_note = attention_maps(trace)
             result = write_report(
                 args.trace,
                 args.output,
@@ -126,6 +154,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 walk_note=walk_note,
                 replay=replay,
                 force=args.force,
+                attention=maps,
             )
     except OutputDirError as exc:
         raise UsageError(str(exc)) from None
@@ -133,6 +162,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"cannot write the report to {args.output}: {exc.strerror or exc}") from None
     console.print(Text.assemble(("report written:", "bold green"), " ", str(result.index)), highlight=False)
     console.print(build_result_table(result, time.perf_counter() - start))
+    if maps_note:
+        console.print(Text(maps_note, style="dim"), highlight=False)
     if replay is not None:
         verdict = "all replayed steps agree" if replay.ok else "some steps disagree"
         console.print(Text(f"replay (in memory, not saved): {verdict}"), highlight=False)
