@@ -79,7 +79,7 @@ class _JsonRecord:
     """
 
     def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict, fields in their order; a nested record becomes its own dict.
+        """Return a JSON-ready dict, fields in their order; a nested record (or a tuple of them) becomes dicts.
 
         Tuples stay tuples (``json`` writes them as lists). The tracer's writer thread calls this
         for every record, so the field names come from a per-class cache.
@@ -91,6 +91,8 @@ class _JsonRecord:
             value = out[name]
             if isinstance(value, _JsonRecord):
                 out[name] = value.to_json()
+            elif isinstance(value, tuple):  # a tuple of records (``RunInfo.kv_cache_groups``)
+                out[name] = [v.to_json() if isinstance(v, _JsonRecord) else v for v in value]
         return out
 
     @classmethod
