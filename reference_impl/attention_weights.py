@@ -146,6 +146,7 @@ def step_weights(
             raise TraceError(f"step {step}: no request row {b}; the step has rows 0..{record.num_reqs - 1}")
     # Per sequence of the inputs: its request (block-table row) and step token rows.
     qsl = [int(x) for x in inputs.query_start_loc]
+    owners: list[tuple[int, tuple[int, ...]]]
     if inputs.kept is not None:
         owners = [(inputs.kept.requests[i], (inputs.kept.rows[i],)) for i in range(len(inputs.kept.rows))]
     else:
@@ -158,7 +159,7 @@ def step_weights(
     sequences = []
     for request, pieces in sorted(parts.items()):
         seq_len = record.seq_lens[request]
-        rows = tuple(r for p in pieces for r in p[0])
+        step_rows = tuple(r for p in pieces for r in p[0])
         # Kept rows are one-token sequences of their own, each over its causal prefix: pad to seq_len.
         weights = torch.cat([torch.nn.functional.pad(w, (0, seq_len - w.shape[-1])) for _, w, _, _ in pieces], dim=1)
         sinks = [s for _, _, s, _ in pieces]
@@ -168,8 +169,8 @@ def step_weights(
             SequenceWeights(
                 request=request,
                 request_id=record.request_ids[request] if request < len(record.request_ids) else "",
-                rows=rows,
-                positions=tuple(first + r for r in rows),
+                rows=step_rows,
+                positions=tuple(first + r for r in step_rows),
                 seq_len=seq_len,
                 weights=weights,
                 sink=sink,

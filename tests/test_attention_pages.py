@@ -40,9 +40,9 @@ def test_a_page_per_captured_step_and_layer_linked_from_its_step(site):
     assert "KV-cache group 0: sliding window 64 tokens" in page
     # Request 1's row is [1, 5, 6, 7, 8]: each block labelled with its physical id; the window edge drawn.
     assert all(f">{b}</text>" in page for b in (1, 5, 6, 7, 8))
-    assert "<polyline class=\"edge window\"" in page and "<polyline class=\"edge causal\"" in page
+    assert '<polyline class="edge window"' in page and '<polyline class="edge causal"' in page
     assert "Downsampled" not in page  # 76 keys: one column each
-    assert "<polyline class=\"edge window\"" not in (site / "attention-000005-L1.html").read_text()  # full layer
+    assert '<polyline class="edge window"' not in (site / "attention-000005-L1.html").read_text()  # full layer
 
 
 def test_step_page_draws_a_grid_per_group_and_marks_null_blocks():
