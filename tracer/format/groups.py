@@ -113,9 +113,10 @@ def trace_groups(trace: Trace) -> TraceGroups:
         null = run.null_block if run.null_block is not None else NULL_BLOCK_ID
         return TraceGroups(run.kv_cache_groups, null, True, "recorded by the tracer (manifest kv_cache_groups)")
     groups = _inferred(run, trace.records)
+    absent = "a trace before format 5" if run.format_version < 5 else "the engine gave the tracer no KV-cache config"
     if not groups:
-        return TraceGroups((), NULL_BLOCK_ID, False, "not recorded (a trace before format 5)")
-    why = "inferred from the model config's layer types and the captured block tables (a trace before format 5)"
+        return TraceGroups((), NULL_BLOCK_ID, False, f"not recorded ({absent})")
+    why = f"inferred from the model config's layer types and the captured block tables ({absent})"
     return TraceGroups(groups, NULL_BLOCK_ID, False, why)
 
 
