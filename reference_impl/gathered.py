@@ -2,7 +2,8 @@
 
 A range of blocks is gathered with one ``index_select`` (:func:`gather_blocks`), the
 visibility mask built from positions (:func:`visibility`), and one masked softmax runs
-over the gathered keys (:func:`attend_gathered`), returning each row's log-sum-exp so
+over the gathered keys (:func:`gathered_weights`, the weights; :func:`attend_gathered`, the
+weights times V), returning each row's log-sum-exp so
 that results over disjoint key ranges merge with
 :func:`reference_impl.kernel.combine_partitions`. Einsum letters as in
 :mod:`reference_impl.kernel`.
@@ -18,7 +19,7 @@ import torch
 
 from reference_impl.common import read_cache_as
 
-__all__ = ["attend_gathered", "gather_blocks", "strided_bmm", "visibility"]
+__all__ = ["attend_gathered", "gather_blocks", "gathered_weights", "strided_bmm", "visibility"]
 
 
 def strided_bmm(x: torch.Tensor, y: torch.Tensor, transpose_y: bool) -> torch.Tensor:
@@ -72,6 +73,50 @@ def visibility(
     return visible
 
 
+def gathered_weights(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    k_pos: torch.Tensor,
+    visible: torch.Tensor | None,
+    *,
+    scale: float,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The softmax of gathered keys, unnormalised: what :func:`attend_gathered` multiplies V by.
+
+    Args:
+        q, q_pos, k, k_pos, visible, scale, softcap, alibi_slopes: as :func:`attend_gathered`.
+
+    Returns:
+        ``(p [h, b, g, t, n], l [h, b, g, t], m [h, b, g, t])``: ``p = exp(logit - m)`` (0 where
+        hidden), ``l`` its sum over the keys, ``m`` the row's largest logit (0 where no key is
+        visible). The attention weights are ``p / l``; ``m + log(l)`` is the row's log-sum-exp.
+    """
+    num_kv_heads, num_seqs, group, num_q, head_size = q.shape
+    num_keys = k.shape[1]
+    q_rows = q.reshape(num_kv_heads, num_seqs, group * num_q, head_size)
+    s = strided_bmm(q_rows, k, transpose_y=True)  # "hbgtd,bnhd->hbgtn"
+    # The logits are the largest tensor here: every step below works on them in place
+    # (a fresh tensor per step costs page faults and cache misses, not arithmetic).
+    s = s.view(num_kv_heads, num_seqs, group, num_q, num_keys).mul_(scale)
+    if softcap > 0:
+        s.div_(softcap).tanh_().mul_(softcap)
+    if alibi_slopes is not None:
+        distance = (q_pos[:, :, None] - k_pos[:, None, :]).abs()  # [b, t, n], |pos - j|
+        slopes = alibi_slopes.to(s.dtype).view(num_kv_heads, 1, group, 1, 1)
+        s.sub_(slopes * distance[None, :, None])
+    if visible is not None:
+        s.masked_fill_(~visible[None, :, None], -math.inf)
+
+    m = s.amax(dim=-1)  # [h, b, g, t]
+    # Rows with nothing visible have m = -inf: subtract 0 there, keeping exp() at 0.
+    m_ref = m if visible is None else torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = s.sub_(m_ref[..., None]).exp_()
+    return p, p.sum(dim=-1), m_ref
+
+
 def attend_gathered(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -102,25 +147,7 @@ def attend_gathered(
     """
     num_kv_heads, num_seqs, group, num_q, head_size = q.shape
     num_keys = k.shape[1]
-    q_rows = q.reshape(num_kv_heads, num_seqs, group * num_q, head_size)
-    s = strided_bmm(q_rows, k, transpose_y=True)  # "hbgtd,bnhd->hbgtn"
-    # The logits are the largest tensor here: every step below works on them in place
-    # (a fresh tensor per step costs page faults and cache misses, not arithmetic).
-    s = s.view(num_kv_heads, num_seqs, group, num_q, num_keys).mul_(scale)
-    if softcap > 0:
-        s.div_(softcap).tanh_().mul_(softcap)
-    if alibi_slopes is not None:
-        distance = (q_pos[:, :, None] - k_pos[:, None, :]).abs()  # [b, t, n], |pos - j|
-        slopes = alibi_slopes.to(s.dtype).view(num_kv_heads, 1, group, 1, 1)
-        s.sub_(slopes * distance[None, :, None])
-    if visible is not None:
-        s.masked_fill_(~visible[None, :, None], -math.inf)
-
-    m = s.amax(dim=-1)  # [h, b, g, t]
-    # Rows with nothing visible have m = -inf: subtract 0 there, keeping exp() at 0.
-    m_ref = m if visible is None else torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = s.sub_(m_ref[..., None]).exp_()
-    l = p.sum(dim=-1)
+    p, l, m_ref = gathered_weights(q, q_pos, k, k_pos, visible, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes)
     p_rows = p.view(num_kv_heads, num_seqs, group * num_q, num_keys)
     o = strided_bmm(p_rows, v, transpose_y=False)  # "hbgtn,bnhd->hbgtd"
     o = o.view(num_kv_heads, num_seqs, group, num_q, head_size)

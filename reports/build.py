@@ -8,6 +8,7 @@ with jinja2 (autoescaping on, undefined names an error) and writes::
     tour.html               the reading checklist, linked into the pages
     src-<name>.html         one annotated source per stored vLLM file
     step-NNNNNN.html        one page per request step (the first 200 by default) and a few others
+    attention-NNNNNN-Lk.html  attention weights of a captured (step, layer), when the caller computed them
     style.css, report.js    shared assets (package data)
     .pagedtrace-report      the marker: what was written (JSON), so that a rebuild removes stale pages
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -36,6 +38,7 @@ from reports.step_pages import MAX_REQUEST_PAGES
 from reports.tour import Command, load_reference_source, plain_command
 from reports.viewmodel import Site, build_site
 from tracer.format import ReplayReport, Trace
+from tracer.format.attention import AttentionMap
 from tracer.format.walk import QueryWalk
 
 #: Files copied verbatim from ``reports/templates`` into every report.
@@ -99,6 +102,7 @@ def render_site(site: Site, env: jinja2.Environment | None = None) -> dict[str, 
     source = env.get_template("source.html")
     step = env.get_template("step.html")
     tour = env.get_template("tour.html")
+    attention = env.get_template("attention.html")
     nav = site.tour.nav
     pages = {INDEX_PAGE: index.render(page=site.index, nav=nav), TOUR_PAGE: tour.render(page=site.tour, nav=nav)}
     for name, source_page in site.sources.items():
@@ -107,6 +111,8 @@ def render_site(site: Site, env: jinja2.Environment | None = None) -> dict[str, 
         pages[name] = step.render(page=step_page, nav=step_page.nav)
     if site.prefix is not None:
         pages[PREFIX_PAGE] = render_prefix_page(site.prefix)
+    for name, attention_page in site.attention.items():
+        pages[name] = attention.render(page=attention_page, nav=attention_page.nav)
     return pages
 
 
@@ -149,6 +155,7 @@ def write_report(
     replay: ReplayReport | None = None,
     force: bool = False,
     command: Command = plain_command,
+    attention: Sequence[AttentionMap] = (),
 ) -> BuildResult:
     """Build the report of ``trace_dir`` into ``out_dir``; return what was written.
 
@@ -158,7 +165,9 @@ def write_report(
     walk ``pagedtrace replay`` kept in the trace), ``replay`` verdicts computed in memory
     (shown instead of ``replay.json``): both come from the caller, which may import torch;
     this module never does. ``force``: write into a non-empty directory that is not a
-    report. ``command`` spells the command lines the pages suggest.
+    report. ``command`` spells the command lines the pages suggest. ``attention``: attention
+    weights of captured steps (``tracer.format.attention.AttentionMap``, computed by the
+    caller): an attention page per (step, layer), linked from the step pages.
 
     The trace is opened tolerantly (``strict=False``): a truncated last line is
     listed on the index page instead of failing the build. A directory that is
@@ -174,6 +183,7 @@ def write_report(
         walk_note=walk_note,
         replay=replay,
         command=command,
+        attention=attention,
     )
     return write_site(render_site(site), out_dir, force=force)
 

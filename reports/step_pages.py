@@ -21,6 +21,7 @@ from reports.verdicts import (
     step_verdict,
 )
 from tracer.format import MetadataCheck, RunInfo, StepRecord, StepResult
+from tracer.format.groups import TraceGroups, group_label
 
 #: Step pages are written for the first this-many request steps (``build_report``'s
 #: ``max_step_pages`` overrides it) ...
@@ -56,6 +57,7 @@ class BlockCell:
     full: bool  #: every slot was cached before this step (drawn without segments)
     segments: tuple[Segment, ...]  #: the slot bar, when not ``full``
     title: str
+    null: bool = False  #: the null block: the row's group keeps no block here (before a sliding window)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,18 @@ class RequestRow:
     cells: tuple[BlockCell, ...]
     elided: int  #: cells left out in the middle of a long row
     elide_at: int  #: index into ``cells`` where the elision mark goes (-1: none)
+
+
+@dataclass(frozen=True)
+class GroupGrid:
+    """The block table of one KV-cache group at this step (one grid per group the step's records read)."""
+
+    label: str  #: ``group 0: sliding window 64 tokens, ...`` ("" when the groups are not known)
+    layers: str  #: the step's recorded layers that read this table
+    explain: str  #: why this table differs from the first grid's ("" for the first)
+    rows: tuple[RequestRow, ...]
+    rows_elided: int
+    nulls: int  #: null-block cells in the rows drawn
 
 
 @dataclass(frozen=True)
@@ -111,6 +125,9 @@ class StepPage:
     metadata_source: str = ""  #: where the metadata checks come from (``replay.json`` or computed now)
     sources: tuple[Link, ...] = ()  #: the annotated sources with their values at this step
     prefix: Link | None = None  #: the prefix-cache page, when a request first scheduled here had a hit
+    grids: tuple[GroupGrid, ...] = ()  #: the block table of each KV-cache group (``rows`` is the first's)
+    groups_source: str = ""  #: where the groups come from (recorded, inferred, not recorded)
+    attention: tuple[Link, ...] = ()  #: this step's attention pages (one per layer with tensors)
 
 
 def pages_for_steps(records: list[StepRecord], max_request_pages: int = MAX_REQUEST_PAGES) -> set[int]:
@@ -191,7 +208,14 @@ def _cell(
     row: int,
     seq_len: int,
     context_len: int,
+    null_block: int | None = None,
 ) -> BlockCell:
+    if null_block is not None and block == null_block:
+        title = (
+            f"block {block}, logical block {index}: the null block. This row's KV-cache group keeps no block here "
+            "(a sliding window gave it back: no query of the row reads these positions)"
+        )
+        return BlockCell(block, index, False, False, False, (), title, null=True)
     before = max(0, min(bs, context_len - index * bs))
     after = max(0, min(bs, seq_len - index * bs))
     # Each used slot's class; a context slot that another row writes now was not cached before this step.
@@ -219,28 +243,11 @@ def _cell(
     return BlockCell(block, index, shared, bool(written), False, tuple(segments), title)
 
 
-def step_view(
-    record: StepRecord,
-    run: RunInfo,
-    layers: tuple[str, ...],
-    replay_entries: Sequence[StepResult],
-    prev: int | None,
-    next_: int | None,
-    nav: tuple[Link, ...],
-    metadata: Sequence[MetadataCheck] = (),
-    metadata_source: str = "",
-    sources: Sequence[Link] = (),
-    prefix: Link | None = None,
-) -> StepPage:
-    """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay and metadata verdicts.
-
-    ``sources`` are the annotated source pages (``src-<name>.html``): the page links each
-    at this step (``#step-N`` selects it there).
-    """
-    bs = run.kv_cache.block_size if run.kv_cache else 16
-    shared_set = record.shared_blocks
-    writers = slot_writers(record, bs)
-    written_blocks = sorted({block for block, _ in writers})
+def _table_rows(
+    record: StepRecord, bs: int, writers: dict[tuple[int, int], int], null: int | None
+) -> tuple[RequestRow, ...]:
+    """The block-table grid's rows of ``record`` (at most ``MAX_ROWS``), null-block cells marked."""
+    shared_set = record.shared_blocks - ({null} if null is not None else set())
     rows = []
     query_lens = record.query_lens
     for i, table_row in enumerate(record.block_table[:MAX_ROWS]):
@@ -253,10 +260,75 @@ def step_view(
             elided = len(indices) - MAX_ROW_CELLS
             indices = indices[:HEAD_CELLS] + indices[-tail:]
         cells = tuple(
-            _cell(table_row[j], j, bs, table_row[j] in shared_set, writers, i, seq_len, seq_len - q) for j in indices
+            _cell(table_row[j], j, bs, table_row[j] in shared_set, writers, i, seq_len, seq_len - q, null)
+            for j in indices
         )
         rid = record.request_ids[i] if i < len(record.request_ids) else ""
         rows.append(RequestRow(i, rid, q, seq_len, seq_len - q, cells, elided, HEAD_CELLS if elided else -1))
+    return tuple(rows)
+
+
+def _grid(
+    record: StepRecord,
+    layers: tuple[str, ...],
+    bs: int,
+    groups: TraceGroups | None,
+    null: int | None,
+    rows: tuple[RequestRow, ...],
+    first: StepRecord | None,
+) -> GroupGrid:
+    """One group's grid; ``first``: the first grid's record, whose table this one is explained against."""
+    group = groups.of_record(record) if groups is not None else None
+    mine = [name for name in layers if groups is not None and groups.of_layer(name) is group] if group else []
+    explain = ""
+    if first is not None and groups is not None:
+        explain = groups.why_tables_differ(first.layer, record.layer)
+    return GroupGrid(
+        label="" if group is None else f"KV-cache group {group.group}: {group_label(group)}",
+        layers=", ".join(mine or [record.layer]),
+        explain=explain,
+        rows=rows,
+        rows_elided=max(0, len(record.block_table) - MAX_ROWS),
+        nulls=sum(c.null for row in rows for c in row.cells),
+    )
+
+
+def step_view(
+    record: StepRecord,
+    run: RunInfo,
+    layers: tuple[str, ...],
+    replay_entries: Sequence[StepResult],
+    prev: int | None,
+    next_: int | None,
+    nav: tuple[Link, ...],
+    metadata: Sequence[MetadataCheck] = (),
+    metadata_source: str = "",
+    sources: Sequence[Link] = (),
+    *,
+    groups: TraceGroups | None = None,
+    group_records: Sequence[StepRecord] = (),
+    attention: Sequence[Link] = (),
+    prefix: Link | None = None,
+) -> StepPage:
+    """One step: block-table grids, slot mapping drawn onto blocks, lengths, replay and metadata verdicts.
+
+    ``sources`` are the annotated source pages (``src-<name>.html``): the page links each
+    at this step (``#step-N`` selects it there). ``groups``: the trace's KV-cache groups;
+    ``group_records``: one record of each other group at this step (each gets its own grid,
+    explained against ``record``'s). ``attention``: the step's attention pages; ``prefix``: the
+    prefix-cache page, when a request first scheduled here had a hit.
+    """
+    bs = run.kv_cache.block_size if run.kv_cache else 16
+    shared_set = record.shared_blocks
+    writers = slot_writers(record, bs)
+    written_blocks = sorted({block for block, _ in writers})
+    null = groups.null_block if groups is not None else None
+    rows = _table_rows(record, bs, writers, null)
+    grids = [_grid(record, layers, bs, groups, null, rows, None)]
+    for other in group_records:
+        grids.append(
+            _grid(other, layers, bs, groups, null, _table_rows(other, bs, slot_writers(other, bs), null), record)
+        )
     runs = slot_runs(record, bs)
     shared = sorted(shared_set)
     facts = (
@@ -294,6 +366,9 @@ def step_view(
         metadata_source=metadata_source,
         sources=tuple(Link(f"{link.href}#step-{record.step}", link.text) for link in sources),
         prefix=prefix,
+        grids=tuple(grids),
+        groups_source=groups.source if groups is not None else "",
+        attention=tuple(attention),
     )
 
 

@@ -15,11 +15,13 @@ One module per page family builds its pages; this one puts them together:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from annotations.anchors import ANNOTATED_FILES
 from annotations.annotate import annotate_file
 from annotations.locate import LocatedSource, locate
+from reports.attention_pages import MAX_ATTENTION_PAGES, AttentionPage, attention_page, attention_page_name
 from reports.common import INDEX_PAGE, TOUR_PAGE, Link, first_records, source_file_page, step_page
 from reports.explain_pages import PREFIX_PAGE, PrefixView, build_prefix_view
 from reports.index_page import IndexPage, index_page
@@ -27,7 +29,9 @@ from reports.source_pages import SourcePage, source_page
 from reports.step_pages import MAX_REQUEST_PAGES, StepPage, pages_for_steps, step_view
 from reports.tour import Command, TourPage, plain_command, stored_walk, tour_page
 from reports.verdicts import IN_MEMORY, ReplayData, read_replay, replay_data
-from tracer.format import MetadataCheck, ReplayReport, Trace
+from tracer.format import MetadataCheck, ReplayReport, StepRecord, Trace
+from tracer.format.attention import AttentionMap
+from tracer.format.groups import TraceGroups, trace_groups
 from tracer.format.metadata import check_records
 from tracer.format.prefix import explain_prefix_cache
 from tracer.format.walk import QueryWalk
@@ -44,6 +48,7 @@ class Site:
     steps: dict[str, StepPage]  #: page name -> page
     tour: TourPage
     prefix: PrefixView | None = None  #: ``prefix.html``: the trace's prefix-cache hits and misses
+    attention: dict[str, AttentionPage] = field(default_factory=dict)  #: page name -> page
 
 
 def navigation(located: dict[str, LocatedSource], prefix: bool = False) -> tuple[Link, ...]:
@@ -65,6 +70,7 @@ def build_site(
     walk_note: str = "",
     replay: ReplayReport | None = None,
     command: Command = plain_command,
+    attention: Sequence[AttentionMap] = (),
 ) -> Site:
     """All view models of a report for ``trace``.
 
@@ -73,6 +79,9 @@ def build_site(
     through the reference loop, for the tour (``walk_note``: why there is none). ``replay``:
     verdicts computed in memory, shown instead of the trace's ``replay.json``. ``command``
     spells the ``pagedtrace`` command lines the pages suggest (the CLI passes its parser's).
+    ``attention``: the weights of captured steps (``reference_impl.attention_weights``, from the
+    CLI), one page per (step, layer), the first ``MAX_ATTENTION_PAGES``, each linked from its
+    step's page.
     """
     verdicts = read_replay(trace) if replay is None else replay_data(replay, IN_MEMORY)
     if walk is None and not walk_note:
@@ -102,6 +111,11 @@ def build_site(
     paged_records = [r for r in records if r.step in paged]
     source_links = tuple(link for link in nav if link.href.startswith("src-"))
     metadata = _step_metadata(trace, verdicts, {r.step for r in paged_records})
+    groups = trace_groups(trace)
+    attention_pages = _attention_pages(attention, nav)
+    attention_links: dict[int, list[Link]] = {}
+    for name, page in attention_pages.items():
+        attention_links.setdefault(page.step, []).append(Link(name, page.layer))
     steps = {}
     for i, r in enumerate(paged_records):
         prev = paged_records[i - 1].step if i > 0 else None
@@ -117,6 +131,9 @@ def build_site(
             *metadata[r.step],
             sources=source_links,
             prefix=Link(PREFIX_PAGE, "the prefix-cache hits of this step's requests") if r.step in hits else None,
+            groups=groups,
+            group_records=_other_groups(trace, r, groups),
+            attention=attention_links.get(r.step, ()),
         )
     return Site(
         index=index_page(trace, verdicts, located, paged),
@@ -124,7 +141,31 @@ def build_site(
         steps=steps,
         tour=tour_page(trace, located, paged, reference, nav, walk, walk_note, command),
         prefix=None if explained is None else build_prefix_view(explained, str(trace.path), nav),
+        attention=attention_pages,
     )
+
+
+def _other_groups(trace: Trace, record: StepRecord, groups: TraceGroups) -> list[StepRecord]:
+    """One record of each KV-cache group other than ``record``'s at its step (each gets a grid)."""
+    seen = {getattr(groups.of_record(record), "group", None)}
+    out = []
+    for r in trace.records:
+        if r.step == record.step and r is not record:
+            group = groups.of_record(r)
+            if group is not None and group.group not in seen:
+                seen.add(group.group)
+                out.append(r)
+    return out
+
+
+def _attention_pages(maps: Sequence[AttentionMap], nav: tuple[Link, ...]) -> dict[str, AttentionPage]:
+    """One page per (step, layer) of ``maps``, the first ``MAX_ATTENTION_PAGES``."""
+    by_page: dict[str, list[AttentionMap]] = {}
+    for m in maps:
+        name = attention_page_name(m.step, m.layer)
+        if name in by_page or len(by_page) < MAX_ATTENTION_PAGES:
+            by_page.setdefault(name, []).append(m)
+    return {name: attention_page(ms, nav) for name, ms in by_page.items()}
 
 
 def _step_metadata(trace: Trace, replay: ReplayData, steps: set[int]) -> dict[int, tuple[list[MetadataCheck], str]]:

@@ -32,6 +32,7 @@ from typing import Any
 from tracer.engine_state import capturing, is_warmup_batch
 from tracer.format import first_line, layer_index
 from tracer.host_copies import layer_fields, queue_host_copies, step_fields, tensor_clones
+from tracer.kv_groups import layer_groups
 from tracer.layer_capture import LayerCapture, LayerStatic, capture_scales, dtype_name
 from tracer.steps import NOT_NOW, Steps
 
@@ -163,7 +164,8 @@ class Capture(Steps):
             shared = hosts[id(md)] = (host, step_fields(md, num_tokens, cudagraph, padded))
         host, metadata = shared
         if static.fields is None:
-            layer_fields(static)
+            # Once per layer: its constants, and the KV-cache group whose block table it reads.
+            layer_fields(static)["kv_cache_group"] = layer_groups(self._runner).get(static.name)
         scales = None
         if static.scales is None or getattr(static.module, "calculate_kv_scales", False):
             scales = capture_scales(static.module)

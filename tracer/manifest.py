@@ -28,6 +28,7 @@ from tracer.format import (
     read_sources,
     store_sources,
 )
+from tracer.kv_groups import kv_cache_groups, null_block_id
 from tracer.layer_capture import dtype_name
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS, TracerOptions
 
@@ -92,12 +93,14 @@ def build_run_info(
     impl: Any = None,
     kv_cache: Any = None,
     layer: str = "",
+    runner: Any = None,
 ) -> RunInfo:
     """Collect versions, device, model and KV-cache facts for the manifest.
 
     ``vllm_config``: the model runner's (None: vLLM's current config, if any). ``impl``,
     ``kv_cache``, ``layer``: the first recorded forward's backend instance, cache tensor
-    and layer name; without ``impl`` the manifest has no ``KVCacheSpec``.
+    and layer name; without ``impl`` the manifest has no ``KVCacheSpec``. ``runner``: the
+    model runner, whose ``kv_cache_config`` gives the KV-cache groups (:mod:`tracer.kv_groups`).
     """
     import torch
     import vllm
@@ -146,6 +149,8 @@ def build_run_info(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         sources=sources,
         extra={"pid": os.getpid(), "model_attention": _model_attention(cfg), **_cpu_attention(impl)},
+        kv_cache_groups=kv_cache_groups(runner),
+        null_block=null_block_id(),
     )
 
 
@@ -212,6 +217,7 @@ def write_manifest(
     impl: Any = None,
     kv_cache: Any = None,
     layer: str = "",
+    runner: Any = None,
 ) -> RunInfo:
     """Write ``manifest.json`` (small, atomically) first; with ``impl``, store the sources and rewrite it.
 
@@ -219,7 +225,7 @@ def write_manifest(
     sources. ``extra["finished"]`` is False: the tracer sets it when it stops, so a trace
     whose process was killed says so. Returns what is on disk; raises ``OSError``.
     """
-    run = build_run_info(options, vllm_config, {}, impl=impl, kv_cache=kv_cache, layer=layer)
+    run = build_run_info(options, vllm_config, {}, impl=impl, kv_cache=kv_cache, layer=layer, runner=runner)
     run = replace(run, extra={**run.extra, "finished": False})
     # Before the sources: a disk that fills while they are copied still leaves a manifest.
     writer.write_manifest(run)

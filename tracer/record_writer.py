@@ -54,6 +54,7 @@ class RecordWriter:
         self.on_fail = on_fail
         self.failed = False
         self.vllm_config: Any = None
+        self.runner: Any = None  #: the model runner (its ``kv_cache_config`` gives the manifest's groups)
         self.log = WriteLog(options.kv_check_every)
         self.stats = {"records": 0, "gaps": 0, "tensor_files": 0}
         self._writer: TraceWriter | None = None
@@ -323,6 +324,7 @@ class RecordWriter:
                 impl=first.static.impl if first else None,
                 kv_cache=first.static.kv_cache if first else None,
                 layer=first.layer if first else "",
+                runner=self.runner,
             )
             self._manifest_written = first is not None
 

@@ -73,6 +73,7 @@ def runner(tracer: Tracer, method: str):
                 tracer._runner = runner
                 tracer._vllm_config = getattr(runner, "vllm_config", tracer._vllm_config)
                 tracer._record_writer.vllm_config = tracer._vllm_config
+                tracer._record_writer.runner = runner
             stack = tracer._phase
             depth = tracer._depth
             if stack:

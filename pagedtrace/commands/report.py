@@ -5,7 +5,9 @@ A report builds from the trace directory alone: neither this command nor the sit
 (``tracer.format.walk.QueryWalk``) is the one ``pagedtrace replay`` kept in the trace
 (``walk.json``); without it the tour says how to get one. ``--replay`` replays the trace in
 memory (that one loads torch) and walks the query too, writing nothing into the trace (the
-committed fixtures live in the repository).
+committed fixtures live in the repository). ``--attention`` computes the attention pages'
+weights (``reference_impl.attention_weights``, torch) and hands them to the builder as
+``tracer.format.attention.AttentionMap`` records; without it the index says how to get them.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from rich.text import Text
 
 from pagedtrace.cli import UsageError, command_line
 from pagedtrace.commands import add_lax, open_trace
-from pagedtrace.terminal import make_console
-from tracer.format import ReplayReport, Trace
+from pagedtrace.terminal import make_console, warn
+from tracer.format import ReplayReport, Trace, TraceError
+from tracer.format.attention import AttentionMap
 from tracer.format.walk import QueryWalk
 
 if TYPE_CHECKING:  # jinja2 and libcst load when a report is written, not when the CLI parses
     from reports.build import BuildResult
+
+#: Requests of one step drawn on its attention page at most.
+MAX_MAP_REQUESTS = 8
 
 #: ``reports.step_pages.MAX_REQUEST_PAGES``, repeated so that building the parser imports no
 #: jinja2 or libcst (``tests/test_terminal.py`` checks that the two agree).
@@ -65,6 +71,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="replay the trace in memory and show the verdicts (replay.json is not written into the trace)",
     )
+    parser.add_argument(
+        "--attention",
+        action="store_true",
+        help="add an attention page per captured (step, layer): softmax weights per head over the blocks (loads torch)",
+    )
     add_lax(parser)
     parser.set_defaults(func=run)
     return parser
@@ -91,6 +102,27 @@ def replay_in_memory(trace: Trace) -> tuple[ReplayReport, QueryWalk | None, str]
     return (replay_trace(trace), *walk_for_tour(trace))
 
 
+def attention_maps(trace: Trace) -> tuple[list[AttentionMap], str]:
+    """The attention weights of the first captured (step, layer)s with tensors, for the attention pages."""
+    try:
+        from reference_impl.attention_weights import attention_map, step_weights
+        from reports.attention_pages import MAX_ATTENTION_PAGES
+    except ImportError as exc:
+        return [], f"no attention pages: the reference kernel could not be imported here ({exc})"
+    maps: list[AttentionMap] = []
+    done = 0
+    for record in trace.records:
+        if record.tensors is None or done >= MAX_ATTENTION_PAGES:
+            continue
+        try:
+            weights = step_weights(trace, record.step, layer=record.layer)
+        except (TraceError, RuntimeError, ValueError) as exc:
+            return maps, f"attention pages stop at step {record.step} {record.layer}: {exc}"
+        maps.extend(attention_map(trace, weights, seq) for seq in weights.sequences[:MAX_MAP_REQUESTS])
+        done += 1
+    return maps, ""
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     """Build the report and say where it is."""
     from reports.build import OutputDirError, check_output_dir
@@ -103,6 +135,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         check_output_dir(args.output, args.force)  # before any replay: a refused -o fails fast
         with make_console(stderr=True).status("building report"):
             replay, walk, walk_note = replay_in_memory(trace) if args.replay else (None, None, "")
+            maps, maps_note = attention_maps(trace) if args.attention else ([], "")
             result = write_report(
                 args.trace,
                 args.output,
@@ -112,6 +145,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 replay=replay,
                 force=args.force,
                 command=command_line,
+                attention=maps,
             )
     except OutputDirError as exc:
         raise UsageError(str(exc)) from None
@@ -119,6 +153,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"cannot write the report to {args.output}: {exc.strerror or exc}") from None
     console.print(Text.assemble(("report written:", "bold green"), " ", str(result.index)), highlight=False)
     console.print(build_result_table(result, time.perf_counter() - start))
+    if maps_note:
+        warn(maps_note)
     if replay is not None:
         verdict = "all replayed steps agree" if replay.ok else "some steps disagree"
         console.print(Text(f"replay (in memory, not saved): {verdict}"), highlight=False)

@@ -12,6 +12,8 @@ from rich.text import Text
 
 from pagedtrace.commands import add_lax, literal, open_trace
 from pagedtrace.terminal import Elided, elide, row_limit
+from tracer.format import layer_index
+from tracer.format.groups import TraceGroups, trace_groups
 from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation, explain_prefix_cache
 
 
@@ -41,11 +43,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
     # No KV-cache spec: no step reached attention's forward (vLLM failed first, say); the summary
     # and its gaps are all there is to show.
     explanations = explain_prefix_cache(trace) if trace.run.kv_cache is not None else None
+    groups = trace_groups(trace)
     if args.json:
         requests = [e.to_json() for e in explanations or ()]
-        sys.stdout.write(json.dumps({"summary": summary.to_json(), "requests": requests}, indent=2) + "\n")
+        kv_groups = {
+            "source": groups.source,
+            "recorded": groups.recorded,
+            "null_block": groups.null_block,
+            "groups": [g.to_json() for g in groups.groups],
+        }
+        out = {"summary": summary.to_json(), "kv_cache_groups": kv_groups, "requests": requests}
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return 0
     console.print(build_trace_summary_table(summary))
+    console.print(build_groups_table(groups, trace.layers))
+    for line in group_differences(groups, trace.layers):
+        console.print(literal(line), soft_wrap=True, highlight=False)
     if explanations is None:
         console.print(literal("no prefix-cache table: no step of this trace reached attention (see its gaps)", "dim"))
         return 0
@@ -84,3 +97,43 @@ def build_prefix_table(explanations: list[PrefixExplanation], limit: int | None 
             Text.assemble((e.miss.kind, "bold"), f": {e.miss.text}"),
         )
     return table
+
+
+def _layers_text(names: tuple[str, ...], limit: int = 8) -> str:
+    """``0, 2, 4, ... 40 (21 layers)``: layer indices where the names have them."""
+    shown = [str(i) if (i := layer_index(n)) is not None else n for n in names]
+    text = ", ".join(shown[:limit]) + (f", ... {shown[-1]}" if len(shown) > limit else "")
+    return f"{text} ({len(names)} layer{'s' if len(names) != 1 else ''})"
+
+
+def build_groups_table(groups: TraceGroups, captured: list[str]) -> Table:
+    """One row per KV-cache group: its spec, window, block size, layers and the layers the trace captured."""
+    table = Table(title=literal(f"KV-cache groups: {groups.source}; null block {groups.null_block}"))
+    for col in ("group", "kind", "spec", "window", "block size", "layers", "captured"):
+        table.add_column(col, justify="right" if col in ("group", "block size") else "left")
+    for g in groups.groups:
+        window = "-" if g.sliding_window is None else f"{g.sliding_window} tokens"
+        if g.attention_chunk_size is not None:
+            window = f"chunks of {g.attention_chunk_size}"
+        mine = tuple(n for n in captured if n in g.layer_names)
+        table.add_row(
+            str(g.group),
+            g.kind,
+            literal(g.spec),
+            window,
+            str(g.block_size),
+            literal(_layers_text(g.layer_names)),
+            literal(_layers_text(mine) if mine else "-"),
+        )
+    return table
+
+
+def group_differences(groups: TraceGroups, captured: list[str]) -> list[str]:
+    """Why the captured layers of different groups read different block tables: one line per pair of groups."""
+    firsts: dict[int, str] = {}
+    for name in captured:
+        g = groups.of_layer(name)
+        if g is not None:
+            firsts.setdefault(g.group, name)
+    names = list(firsts.values())
+    return [f"tables differ: {groups.why_tables_differ(names[0], other)}" for other in names[1:]]

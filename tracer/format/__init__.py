@@ -9,7 +9,8 @@
 * :mod:`~tracer.format.sources` -- the vLLM source files a trace keeps;
 * :mod:`~tracer.format.verdicts` -- replay's verdicts (``replay.json``), typed both ways;
 * :mod:`~tracer.format.layouts` -- the KV-cache layout registry and its geometry;
-* :mod:`~tracer.format.metadata` -- metadata verdicts: slots, lengths, blocks, flags (no tensors);
+* :mod:`~tracer.format.metadata` -- metadata verdicts: slots, lengths, blocks, flags, groups (no tensors);
+* :mod:`~tracer.format.groups` -- the KV-cache groups of a trace, recorded or inferred;
 * :mod:`~tracer.format.selection` -- ``--steps`` / ``--layers`` parsing and matching.
 
 ``tracer`` (the hooks), ``reference_impl``, ``annotations``, ``reports`` and the CLI
@@ -26,6 +27,7 @@ from tracer.format.layouts import LAYOUTS, REGISTRY, STORED_LAYOUTS, Layout, des
 from tracer.format.records import (
     STEP_KINDS,
     GapRecord,
+    KVCacheGroup,
     KVCacheSpec,
     ModelSummary,
     RunInfo,
@@ -104,6 +106,7 @@ __all__ = [
     "CaseResult",
     "GapRecord",
     "HeadResult",
+    "KVCacheGroup",
     "KVCacheSpec",
     "Layout",
     "LegacyCheck",

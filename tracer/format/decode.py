@@ -79,6 +79,12 @@ INT_RANGES: dict[tuple[str, str], tuple[int, int]] = {
     **{("ModelSummary", f): _NONNEG for f in ("num_layers", "num_attention_heads", "num_kv_heads", "head_size")},
     **{("ModelSummary", f): _NONNEG for f in ("hidden_size", "vocab_size", "max_model_len")},
     ("RunInfo", "format_version"): (1, INT64_MAX),
+    ("RunInfo", "null_block"): (0, 2**31 - 1),
+    ("StepRecord", "kv_cache_group"): (0, 1 << 16),
+    ("KVCacheGroup", "group"): (0, 1 << 16),
+    ("KVCacheGroup", "block_size"): _HEADS,
+    ("KVCacheGroup", "sliding_window"): (1, INT64_MAX),
+    ("KVCacheGroup", "attention_chunk_size"): (1, INT64_MAX),
     ("RunInfo", "flash_attn_version"): (0, 1000),
 }
 

@@ -26,6 +26,13 @@ included. Each compares what vLLM handed attention with what it must be:
     ``causal``, the sliding window and the soft-cap agree with the model config the
     manifest records (``RunInfo.extra["model_attention"]``); the head counts with the
     KV-cache spec and the model.
+``groups``
+    The record's KV-cache group (:mod:`tracer.format.groups`: recorded, or inferred for an
+    older trace) lists its layer, and layers of one group read one block table in a step. A
+    sliding-window group's layer reads no further back than its group keeps blocks (the
+    record's window is at most the group's, so it never reads outside its window), and its
+    table points no position inside the group's window of any query of the row at the null
+    block (vLLM's ``SlidingWindowManager`` gives back only blocks wholly before it).
 
 Standard library only: runs where neither torch nor vLLM is installed.
 """
@@ -35,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from tracer.format.groups import TraceGroups, trace_groups
 from tracer.format.records import KVCacheSpec, RunInfo, StepRecord
 from tracer.format.requests import session_id_of
 from tracer.format.selection import layer_index
@@ -51,7 +59,7 @@ __all__ = [
 ]
 
 #: The checks, in the order they are reported.
-METADATA_CHECKS = ("lengths", "slots", "blocks", "shared", "flags")
+METADATA_CHECKS = ("lengths", "slots", "blocks", "shared", "flags", "groups")
 #: Problems kept per check (``num_problems`` counts all of them).
 MAX_PROBLEMS = 8
 #: vLLM's null block: the placeholder id for "no block here".
@@ -332,8 +340,62 @@ def _check_flags(record: StepRecord, spec: KVCacheSpec, run: RunInfo | None) -> 
     return f.done("; ".join(notes))
 
 
+def _check_groups(
+    record: StepRecord, spec: KVCacheSpec, groups: TraceGroups | None, group_table: StepRecord | None
+) -> MetadataCheck:
+    f = _Findings(record, "groups")
+    group = groups.of_record(record) if groups is not None else None
+    if groups is None or group is None:
+        why = groups.source if groups is not None else "not recorded"
+        return f.done(f"KV-cache group unknown ({why})")
+    f.checked += 1
+    if record.layer not in group.layer_names:
+        f.add(f"the record names group {group.group}, whose layers do not include {record.layer}")
+    if group_table is not None and group_table.block_table != record.block_table:
+        f.checked += 1
+        f.add(f"{record.layer} and {group_table.layer} are both in group {group.group} but read different block tables")
+    notes = [f"group {group.group} ({group.kind}, {'recorded' if groups.recorded else 'inferred'})"]
+    if group.kind != "sliding_window" or group.sliding_window is None:
+        return f.done("; ".join(notes))
+    keep = group.sliding_window - 1  # keys before position - keep are outside every window
+    window = record.sliding_window
+    f.checked += 1
+    if window is None or window[0] < 0 or window[0] > keep:
+        f.add(
+            f"sliding_window {window}: reads further back than group {group.group} keeps blocks "
+            f"({group.sliding_window} tokens, left {keep}): it would read outside its window"
+        )
+    bs, null = spec.block_size, groups.null_block
+    dropped = 0
+    for r, _first, q, seq_len in _rows(record):
+        row = record.block_table[r] if r < len(record.block_table) else ()
+        live_from = max(0, seq_len - q - keep)  # the first key any query of the row sees
+        for j, block in enumerate(row[: _ceil_div(seq_len, bs)]):
+            if block != null:
+                continue
+            if (j + 1) * bs <= live_from:
+                dropped += 1
+            elif record.kind == "request":
+                f.checked += 1
+                f.add(
+                    f"logical block {j} (positions {j * bs}-{(j + 1) * bs - 1}) is the null block {null}, but the "
+                    f"group's {group.sliding_window}-token window of this row's queries reads from "
+                    f"position {live_from}",
+                    r,
+                    max(j * bs, live_from),
+                )
+    if dropped:
+        notes.append(f"{dropped} block(s) before the window given back (null block {null})")
+    return f.done("; ".join(notes))
+
+
 def check_record(
-    record: StepRecord, spec: KVCacheSpec, run: RunInfo | None = None, tokens: Tokens | None = None
+    record: StepRecord,
+    spec: KVCacheSpec,
+    run: RunInfo | None = None,
+    tokens: Tokens | None = None,
+    groups: TraceGroups | None = None,
+    group_table: StepRecord | None = None,
 ) -> tuple[MetadataCheck, ...]:
     """Every metadata check of one (step, layer), in :data:`METADATA_CHECKS` order.
 
@@ -342,6 +404,8 @@ def check_record(
         spec: the trace's KV-cache spec (block size, pool size, heads).
         run: the manifest, for the model config; None checks what needs no model.
         tokens: request id -> tokens (:func:`known_tokens`); None: prompts unknown.
+        groups: the trace's KV-cache groups (:func:`tracer.format.groups.trace_groups`); None: unknown.
+        group_table: another record of the same step and group, whose table this one must equal.
     """
     model_len = run.model.max_model_len if run is not None and run.model is not None else None
     return (
@@ -350,6 +414,7 @@ def check_record(
         _check_blocks(record, spec),
         _check_shared(record, spec.block_size, tokens),
         _check_flags(record, spec, run),
+        _check_groups(record, spec, groups, group_table),
     )
 
 
@@ -386,4 +451,12 @@ def check_records(trace: Trace, records: Iterable[StepRecord]) -> tuple[Metadata
     if spec is None:
         return ()
     tokens = known_tokens(trace.read_json(SESSION))
-    return tuple(c for r in records for c in check_record(r, spec, trace.run, tokens))
+    groups = trace_groups(trace)
+    first: dict[tuple[int, int], StepRecord] = {}  # (step, group) -> the first record of that group
+    out: list[MetadataCheck] = []
+    for r in records:
+        group = groups.of_record(r)
+        key = (r.step, group.group) if group is not None else None
+        other = first.setdefault(key, r) if key is not None else None
+        out.extend(check_record(r, spec, trace.run, tokens, groups, other if other is not r else None))
+    return tuple(out)

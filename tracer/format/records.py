@@ -29,6 +29,10 @@ STEP_KINDS = ("profile", "warmup", "request")
 #: ``StepRecord.cudagraph``: eager, attention between piecewise graphs, or one full graph.
 CUDAGRAPH_MODES = ("none", "piecewise", "full")
 
+#: ``KVCacheGroup.kind``: what a KV-cache group's block table keeps, by vLLM's spec class
+#: (``FullAttentionSpec``, ``SlidingWindowSpec``, ``ChunkedLocalAttentionSpec``, ``MambaSpec``; any other).
+GROUP_KINDS = ("full", "sliding_window", "chunked_local", "mamba", "other")
+
 #: KV-cache layouts a trace may name: the layout registry's stored layouts
 #: (:mod:`tracer.format.layouts` describes each).
 LAYOUTS = STORED_LAYOUTS
@@ -36,10 +40,12 @@ LAYOUTS = STORED_LAYOUTS
 
 __all__ = [
     "CUDAGRAPH_MODES",
+    "GROUP_KINDS",
     "LAYOUTS",
     "SINCE",
     "STEP_KINDS",
     "GapRecord",
+    "KVCacheGroup",
     "KVCacheSpec",
     "ModelSummary",
     "RunInfo",
@@ -73,7 +79,7 @@ class _JsonRecord:
     """
 
     def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict, fields in their order; a nested record becomes its own dict.
+        """Return a JSON-ready dict, fields in their order; a nested record (or a tuple of them) becomes dicts.
 
         Tuples stay tuples (``json`` writes them as lists). The tracer's writer thread calls this
         for every record, so the field names come from a per-class cache.
@@ -85,6 +91,8 @@ class _JsonRecord:
             value = out[name]
             if isinstance(value, _JsonRecord):
                 out[name] = value.to_json()
+            elif isinstance(value, tuple):  # a tuple of records (``RunInfo.kv_cache_groups``)
+                out[name] = [v.to_json() if isinstance(v, _JsonRecord) else v for v in value]
         return out
 
     @classmethod
@@ -173,6 +181,25 @@ class KVCacheSpec(_JsonRecord):
 
 
 @dataclass(frozen=True)
+class KVCacheGroup(_JsonRecord):
+    """One of vLLM's KV-cache groups (``kv_cache_config.kv_cache_groups[group]``): layers that share one block table.
+
+    A model that mixes attention types (Gemma-2's window and full layers) gets one group per type;
+    each group has its own block table and slot mapping, and the groups draw their block ids from
+    one pool, so the same request's rows differ between layers of different groups.
+    """
+
+    group: int  #: 0-based index in ``kv_cache_config.kv_cache_groups`` (``StepRecord.kv_cache_group``)
+    kind: str  #: one of ``GROUP_KINDS``
+    spec: str  #: vLLM's spec class, e.g. ``SlidingWindowSpec``
+    layer_names: tuple[str, ...]  #: the attention layers that read this group's block table
+    block_size: int  #: tokens per block of this group's table
+    #: ``SlidingWindowSpec.sliding_window`` (or a full spec's): tokens a query sees, itself included
+    sliding_window: int | None
+    attention_chunk_size: int | None  #: ``ChunkedLocalAttentionSpec.attention_chunk_size``, in tokens
+
+
+@dataclass(frozen=True)
 class ModelSummary(_JsonRecord):
     """What the model looks like to attention."""
 
@@ -212,6 +239,12 @@ class RunInfo(_JsonRecord):
         default_factory=dict
     )  #: vLLM path (``vllm/...``) -> ``{"file": path under the trace, "sha256": hex}``
     extra: dict[str, Any] = field(default_factory=dict)  #: free-form notes (e.g. preset, prompts)
+    #: vLLM's KV-cache groups, in ``kv_cache_config.kv_cache_groups`` order; None: not recorded
+    #: (a trace before format 5, or an engine that had no KV-cache config).
+    kv_cache_groups: tuple[KVCacheGroup, ...] | None = field(default=None, metadata={SINCE: 5})
+    #: ``BlockPool.null_block.block_id``: the id a table holds where a group keeps no block (0 in
+    #: vLLM 0.26); None: not recorded.
+    null_block: int | None = field(default=None, metadata={SINCE: 5})
 
 
 @dataclass(frozen=True)
@@ -267,6 +300,9 @@ class StepRecord(_JsonRecord):
     #: Write-log tensors (``kv_written`` ...): which run of consecutive logged steps of this layer
     #: the record belongs to; its blocks are rebuilt from the records of that run. None otherwise.
     kv_log_epoch: int | None = field(default=None, metadata={SINCE: 3})
+    #: The KV-cache group whose block table and slot mapping this layer reads (``RunInfo.kv_cache_groups``
+    #: index); None: not recorded.
+    kv_cache_group: int | None = field(default=None, metadata={SINCE: 5})
     tensors: str | None = None  #: safetensors file under ``tensors/``, or None when not captured
     tensor_names: tuple[str, ...] = ()  #: tensors in that file
 
@@ -308,6 +344,7 @@ _VOCABULARY.update(
         ("GapRecord", "kind"): STEP_KINDS,
         ("KVCacheSpec", "layout"): LAYOUTS,
         ("StepRecord", "cudagraph"): CUDAGRAPH_MODES,
+        ("KVCacheGroup", "kind"): GROUP_KINDS,
     }
 )
 #: Whole-record checks run after a record is decoded, by class name (field types are checked first).
