@@ -114,6 +114,12 @@ FIXTURES: dict[str, Fixture] = {
         f"{GEMMA} --prompts 3 --shared-prefix 16 --prompt-len 8:60 --max-tokens 8 --layers 0,1 --no-tensors"
         f" {DEFAULT_MODE}",
     ),
+    "h100-gemma2-hybrid": Fixture(
+        "default graph mode on an H100, two KV-cache groups recorded (window 64 and full), tensors of layers 0"
+        " and 1, prompts longer than the window",
+        f"{GEMMA} --prompts 2 --shared-prefix 16 --prompt-len 90:130 --max-tokens 8 --layers 0,1"
+        f" --query-rows 16 --budget-mb 12 {DEFAULT_MODE}",
+    ),
     "h200-llama3.1-8b-fp8-writelog": Fixture(
         "PIECEWISE, fp8 KV cache, tensors of layer 0 as a write log, whole blocks every 2nd step",
         f"{LLAMA} --prompts 2 --shared-prefix 32 --prompt-len 8:24 --max-tokens 6 --layers 0 --kv-cache-dtype fp8"

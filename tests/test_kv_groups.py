@@ -163,3 +163,44 @@ def test_a_cpu_trace_records_its_groups(cpu_trace):
     assert groups and trace.run.null_block == 0 and trace_groups(trace).recorded
     assert {r.kv_cache_group for r in trace.records} <= {g.group for g in groups}
     assert all(r.layer in groups[r.kv_cache_group].layer_names for r in trace.records)
+
+
+# --------------------------------------------------------------------------- the hybrid fixture (recorded groups)
+
+HYBRID = FIXTURES / "h100-gemma2-hybrid"  # format 5, default graph mode, tensors of layers 0 and 1
+
+
+def test_the_hybrid_fixture_records_its_groups_and_each_record_names_one():
+    trace = Trace.open(HYBRID)
+    groups = trace_groups(trace)
+    assert groups.recorded and groups.null_block == 0
+    assert [(g.kind, g.sliding_window) for g in groups.groups][:2] == [("sliding_window", 64), ("full", None)]
+    for record in trace.records:
+        if record.kind == "request":
+            assert record.kv_cache_group == (0 if record.layer == L0 else 1)
+    by_step: dict[int, dict[str, object]] = {}
+    for record in trace.records:
+        if record.kind == "request":
+            by_step.setdefault(record.step, {})[record.layer] = record.block_table
+    assert all(len(tables) == 2 and len(set(tables.values())) == 2 for tables in by_step.values())
+
+
+def test_show_on_the_hybrid_fixture_lists_the_recorded_groups(capsys):
+    assert main(["show", str(HYBRID)]) == 0
+    out = capsys.readouterr().out
+    assert "KV-cache groups: recorded" in out and "SlidingWindowSpec" in out and "FullAttentionSpec" in out
+
+
+def test_a_null_block_planted_at_a_live_position_of_the_hybrid_fixture_fails():
+    trace = Trace.open(HYBRID)
+    groups = trace_groups(trace)
+    record = max((r for r in trace.records if r.kind == "request" and r.layer == L0), key=lambda r: r.step)
+    row = max(range(len(record.seq_lens)), key=lambda i: record.seq_lens[i])
+    first_visible = record.seq_lens[row] - 64  # a decode row sees its last 64 positions
+    table = list(record.block_table[row])
+    assert all(c.ok for c in check_record(record, trace.run.kv_cache, trace.run, None, groups) if c.check == "groups")
+    table[first_visible // 16] = groups.null_block
+    rows = tuple(tuple(table) if i == row else r for i, r in enumerate(record.block_table))
+    checks = check_record(dataclasses.replace(record, block_table=rows), trace.run.kv_cache, trace.run, None, groups)
+    (groups_check,) = [c for c in checks if c.check == "groups"]
+    assert not groups_check.ok and "is the null block 0" in groups_check.problems[0].message
