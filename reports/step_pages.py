@@ -21,6 +21,7 @@ from reports.verdicts import (
     step_verdict,
 )
 from tracer.format import MetadataCheck, RunInfo, StepRecord, StepResult
+from tracer.format.words import Words, snippet, visible
 
 #: Step pages are written for the first this-many request steps (``build_report``'s
 #: ``max_step_pages`` overrides it) ...
@@ -56,6 +57,7 @@ class BlockCell:
     full: bool  #: every slot was cached before this step (drawn without segments)
     segments: tuple[Segment, ...]  #: the slot bar, when not ``full``
     title: str
+    words: str = ""  #: a snippet of the text it holds ("" without token text; the title has it whole)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class SlotRun:
     block: int
     offsets: str
     slots: str
+    words: str = ""  #: the text of the run's tokens ("" without token text)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class StepPage:
     metadata_verdict: Verdict = NOT_CHECKED
     metadata_source: str = ""  #: where the metadata checks come from (``replay.json`` or computed now)
     sources: tuple[Link, ...] = ()  #: the annotated sources with their values at this step
+    has_words: bool = False  #: the trace records token text: cells and slot runs show words
 
 
 def pages_for_steps(records: list[StepRecord], max_request_pages: int = MAX_REQUEST_PAGES) -> set[int]:
@@ -122,8 +126,11 @@ def pages_for_steps(records: list[StepRecord], max_request_pages: int = MAX_REQU
     return set(request) | set(other)
 
 
-def slot_runs(record: StepRecord, block_size: int) -> list[SlotRun]:
-    """Group the step's slot_mapping into runs of one request, one block, consecutive offsets."""
+def slot_runs(record: StepRecord, block_size: int, words: Words | None = None) -> list[SlotRun]:
+    """Group the step's slot_mapping into runs of one request, one block, consecutive offsets.
+
+    With ``words`` (the trace's token text) each run also says the text of the tokens it writes.
+    """
     runs: list[SlotRun] = []
     positions = [p for s, q in zip(record.seq_lens, record.query_lens, strict=False) for p in range(s - q, s)]
     owner = [i for i, q in enumerate(record.query_lens) for _ in range(q)]
@@ -134,6 +141,11 @@ def slot_runs(record: StepRecord, block_size: int) -> list[SlotRun]:
             return
         first, last = current[0], current[-1]
         slot0, slot1 = record.slot_mapping[first], record.slot_mapping[last]
+        text = ""
+        row = owner[first] if first < len(owner) else -1
+        if words and 0 <= row < len(record.request_ids) and last < len(positions):
+            tokens = words.request_tokens(record.request_ids[row])
+            text = visible(words.text(tokens[positions[first] : positions[last] + 1])) if tokens is not None else ""
         runs.append(
             SlotRun(
                 owner[first] if first < len(owner) else -1,
@@ -142,6 +154,7 @@ def slot_runs(record: StepRecord, block_size: int) -> list[SlotRun]:
                 slot0 // block_size,
                 range_text(slot0 % block_size, slot1 % block_size),
                 range_text(slot0, slot1),
+                text,
             )
         )
         current.clear()
@@ -190,6 +203,7 @@ def _cell(
     row: int,
     seq_len: int,
     context_len: int,
+    text: str | None = None,
 ) -> BlockCell:
     before = max(0, min(bs, context_len - index * bs))
     after = max(0, min(bs, seq_len - index * bs))
@@ -207,15 +221,19 @@ def _cell(
         title += f"; {counts[OTHER]} written in this step by row {', '.join(map(str, others))}"
     if counts[OLD]:
         title += f"; {counts[OLD]} cached before this step"
+    words = ""
+    if text is not None:
+        title += f"\n{text}"
+        words = snippet(text)
     if after == bs and classes.count(OLD) == bs:
-        return BlockCell(block, index, shared, bool(written), True, (), title)
+        return BlockCell(block, index, shared, bool(written), True, (), title, words)
     segments = []
     start = 0
     for o in range(1, after + 1):
         if o == after or classes[o] != classes[start]:
             segments.append(Segment(classes[start], _pct(100 * start / bs), _pct(100 * (o - start) / bs)))
             start = o
-    return BlockCell(block, index, shared, bool(written), False, tuple(segments), title)
+    return BlockCell(block, index, shared, bool(written), False, tuple(segments), title, words)
 
 
 def step_view(
@@ -229,11 +247,13 @@ def step_view(
     metadata: Sequence[MetadataCheck] = (),
     metadata_source: str = "",
     sources: Sequence[Link] = (),
+    words: Words | None = None,
 ) -> StepPage:
     """One step: block-table grid, slot mapping drawn onto blocks, lengths, replay and metadata verdicts.
 
     ``sources`` are the annotated source pages (``src-<name>.html``): the page links each
-    at this step (``#step-N`` selects it there).
+    at this step (``#step-N`` selects it there). ``words`` (the trace's token text) puts the
+    text each block holds in its cell and each slot run's text in the slot table.
     """
     bs = run.kv_cache.block_size if run.kv_cache else 16
     shared_set = record.shared_blocks
@@ -250,12 +270,24 @@ def step_view(
             tail = MAX_ROW_CELLS - HEAD_CELLS
             elided = len(indices) - MAX_ROW_CELLS
             indices = indices[:HEAD_CELLS] + indices[-tail:]
-        cells = tuple(
-            _cell(table_row[j], j, bs, table_row[j] in shared_set, writers, i, seq_len, seq_len - q) for j in indices
-        )
         rid = record.request_ids[i] if i < len(record.request_ids) else ""
+        texts = words.row_texts(rid, len(table_row), bs, seq_len) if words else None
+        cells = tuple(
+            _cell(
+                table_row[j],
+                j,
+                bs,
+                table_row[j] in shared_set,
+                writers,
+                i,
+                seq_len,
+                seq_len - q,
+                texts[j] if texts is not None and j * bs < seq_len else None,
+            )
+            for j in indices
+        )
         rows.append(RequestRow(i, rid, q, seq_len, seq_len - q, cells, elided, HEAD_CELLS if elided else -1))
-    runs = slot_runs(record, bs)
+    runs = slot_runs(record, bs, words)
     shared = sorted(shared_set)
     facts = (
         Row("layer records", f"{len(layers)}: {', '.join(layers[:3])}{' …' if len(layers) > 3 else ''}"),
@@ -291,6 +323,7 @@ def step_view(
         metadata_verdict=metadata_verdict(metadata),
         metadata_source=metadata_source,
         sources=tuple(Link(f"{link.href}#step-{record.step}", link.text) for link in sources),
+        has_words=words is not None,
     )
 
 

@@ -29,6 +29,7 @@ from reports.verdicts import IN_MEMORY, ReplayData, read_replay, replay_data
 from tracer.format import MetadataCheck, ReplayReport, Trace
 from tracer.format.metadata import check_records
 from tracer.format.walk import QueryWalk
+from tracer.format.words import Words
 
 __all__ = ["Site", "build_site", "navigation"]
 
@@ -88,6 +89,7 @@ def build_site(
     paged_records = [r for r in records if r.step in paged]
     source_links = tuple(link for link in nav if link.href.startswith("src-"))
     metadata = _step_metadata(trace, verdicts, {r.step for r in paged_records})
+    words = Words.of(trace)
     steps = {}
     for i, r in enumerate(paged_records):
         prev = paged_records[i - 1].step if i > 0 else None
@@ -102,6 +104,7 @@ def build_site(
             nav,
             *metadata[r.step],
             sources=source_links,
+            words=words,
         )
     return Site(
         index=index_page(trace, verdicts, located, paged),

@@ -13,6 +13,7 @@ from rich.text import Text
 from pagedtrace.commands import literal
 from tracer.format import Trace
 from tracer.format.diff import TraceDiff, diff_traces
+from tracer.format.words import snippet
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -79,14 +80,13 @@ def build_diff_tables(diff: TraceDiff) -> list[Table]:
     for col in ("request", "seq_len", "step A/B", "field", "A", "B"):
         steps.add_column(col, justify="right" if col == "seq_len" else "left")
     for r in diff.requests:
+        label = literal(r.label) if r.text is None else Text.assemble(r.label, (f' "{snippet(r.text)}"', "dim"))
         for p in r.pairs:
             for i, d in enumerate(p.differences):
-                head = (literal(r.label), str(p.seq_len), f"{p.step_a}/{p.step_b}") if i == 0 else ("", "", "")
+                head = (label, str(p.seq_len), f"{p.step_a}/{p.step_b}") if i == 0 else ("", "", "")
                 steps.add_row(*head, literal(d.name), literal(d.a), literal(d.b))
         if r.only_a or r.only_b:
-            steps.add_row(
-                literal(r.label), "", "", "seq_lens on one side only", literal(list(r.only_a)), literal(list(r.only_b))
-            )
+            steps.add_row(label, "", "", "seq_lens on one side only", literal(list(r.only_a)), literal(list(r.only_b)))
     tables = [run, steps]
     if diff.outputs:
         out = Table(title="vLLM's outputs, A vs B (common query positions), per layer")
