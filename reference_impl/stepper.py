@@ -28,6 +28,7 @@ from reference_impl.resolve import kv_spec, resolve_layout
 from reference_impl.tolerances import REFERENCE_DTYPE
 from tracer.format import StepRecord, Trace, TraceError
 from tracer.format.walk import BlockLine, KernelLine, PartitionLine, QueryWalk
+from tracer.format.words import Words
 
 __all__ = ["KERNEL_LINES", "find_request", "kernel_lines", "walk_query"]
 
@@ -168,6 +169,8 @@ def walk_query(
         torch.tensor([0, rows_walked]),
     )
     blocks: list[BlockLine] = []
+    words = Words.of(trace)
+    tokens = words.request_tokens(record.request_ids[b]) if words else None
 
     def on_block(*, block: int, n_valid: int, logits, m, l, rescale, acc, **_: Any) -> None:
         scores = logits[h, g, local]
@@ -184,6 +187,7 @@ def walk_query(
                 l=_f(l[h, g, local]),
                 rescale=_f(rescale[h, g, local]),
                 acc_norm=_f(acc[h, g, local].norm()),
+                text=None if words is None or tokens is None else words.text(tokens[block * block_size :][:n_valid]),
             )
         )
 
@@ -239,6 +243,7 @@ def walk_query(
         tolerance=bar,
         output_head=tuple(float(x) for x in ours[:8]),
         vllm_head=tuple(float(x) for x in vllm[:8]),
+        query_text=None if words is None or tokens is None else words.text(tokens[seq_len - q_len + t :][:1]),
     )
 
 

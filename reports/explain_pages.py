@@ -18,6 +18,7 @@ from reports.environment import make_environment
 from tracer.format.diff import TraceDiff
 from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation
 from tracer.format.walk import QueryWalk
+from tracer.format.words import snippet
 
 __all__ = [
     "PREFIX_PAGE",
@@ -29,6 +30,8 @@ __all__ = [
     "write_stepper_page",
 ]
 
+#: Characters of a cached block's words shown on the prefix-cache page (the tooltip has them all).
+PREFIX_SNIPPET_CHARS = 24
 #: The prefix-cache page's name inside a report.
 PREFIX_PAGE = "prefix.html"
 
@@ -46,6 +49,8 @@ class BlockRow:
     m_exact: str
     l_exact: str
     rescale_exact: str
+    words: str = ""  #: a snippet of the words the block's keys are ("" without token text)
+    text: str = ""  #: all of them, for the tooltip
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class StepperView:
     max_abs: str
     tolerance: str
     ok: bool
+    has_words: bool = False  #: the trace records token text: the block rows show words
 
 
 def build_stepper_view(walk: QueryWalk) -> StepperView:
@@ -92,13 +98,17 @@ def build_stepper_view(walk: QueryWalk) -> StepperView:
             m_exact=repr(b.m),
             l_exact=repr(b.l),
             rescale_exact=repr(b.rescale),
+            words=snippet(b.text, PREFIX_SNIPPET_CHARS) if b.text else "",
+            text=b.text or "",
         )
         for b in walk.blocks
     )
     return StepperView(
         title=f"Step {walk.step}, request {walk.request_id}, head {walk.head}: the online softmax block by block",
         subtitle=(
-            f"{walk.layer}; query {walk.token} of the request (position {walk.position}, seq_len {walk.seq_len}); "
+            f"{walk.layer}; query {walk.token} of the request"
+            + (f" ({walk.query_text!r})" if walk.query_text is not None else "")
+            + f" (position {walk.position}, seq_len {walk.seq_len}); "
             f"query head {walk.head} reads KV head {walk.kv_head}; block size {walk.block_size}; "
             f"scale {_g(walk.scale)}; computed in {walk.compute_dtype} from the captured tensors of {walk.trace}"
         ),
@@ -120,6 +130,7 @@ def build_stepper_view(walk: QueryWalk) -> StepperView:
         max_abs=f"{walk.max_abs:.3g}",
         tolerance=f"{walk.tolerance:.3g}",
         ok=walk.ok,
+        has_words=any(b.text is not None for b in walk.blocks),
     )
 
 
@@ -158,14 +169,15 @@ def build_diff_view(diff: TraceDiff) -> DiffView:
     """The diff as strings for the template."""
     rows = []
     for r in diff.requests:
+        label = r.label if r.text is None else f'{r.label} "{snippet(r.text)}"'
         for p in r.pairs:
             if not p.differences:
-                rows.append(DiffRow((r.label, str(p.seq_len), f"{p.step_a}/{p.step_b}", "(nothing)", "", ""), False))
+                rows.append(DiffRow((label, str(p.seq_len), f"{p.step_a}/{p.step_b}", "(nothing)", "", ""), False))
             for i, d in enumerate(p.differences):
-                head = (r.label, str(p.seq_len), f"{p.step_a}/{p.step_b}") if i == 0 else ("", "", "")
+                head = (label, str(p.seq_len), f"{p.step_a}/{p.step_b}") if i == 0 else ("", "", "")
                 rows.append(DiffRow((*head, d.name, str(d.a), str(d.b)), True))
         if r.only_a or r.only_b:
-            rows.append(DiffRow((r.label, "", "", "seq_lens on one side only", str(r.only_a), str(r.only_b)), True))
+            rows.append(DiffRow((label, "", "", "seq_lens on one side only", str(r.only_a), str(r.only_b)), True))
     outputs = []
     for o in diff.outputs:
         worst = max(range(len(o.max_abs)), key=lambda h: o.max_abs[h] - o.bar[h])
@@ -203,6 +215,15 @@ def write_diff_page(diff: TraceDiff, path: str | os.PathLike[str]) -> Path:
 
 
 @dataclass(frozen=True)
+class PrefixBlock:
+    """One cached block of a request: ``physical ← writer @ step``, a snippet of its words, its whole text."""
+
+    text: str
+    words: str  #: a snippet of the words it holds ("" without token text)
+    title: str  #: the tooltip: the block's whole text
+
+
+@dataclass(frozen=True)
 class PrefixRow:
     """One request of the prefix-cache table."""
 
@@ -210,7 +231,7 @@ class PrefixRow:
     step: int
     prompt: str
     cached: int
-    blocks: str
+    blocks: tuple[PrefixBlock, ...]
     kind: str
     text: str
 
@@ -233,12 +254,15 @@ def build_prefix_view(explanations: list[PrefixExplanation], trace_name: str, na
             step=e.first_step,
             prompt="?" if e.prompt_len is None else str(e.prompt_len),
             cached=e.cached_tokens,
-            blocks=", ".join(
-                f"{b.physical} ← {b.writer or '?'} @ {'?' if b.writer_step is None else b.writer_step}"
-                + (" (tokens differ!)" if b.same_tokens is False else "")
+            blocks=tuple(
+                PrefixBlock(
+                    f"{b.physical} ← {b.writer or '?'} @ {'?' if b.writer_step is None else b.writer_step}"
+                    + (" (tokens differ!)" if b.same_tokens is False else ""),
+                    snippet(b.text, PREFIX_SNIPPET_CHARS) if b.text else "",
+                    b.text or "",
+                )
                 for b in e.blocks
-            )
-            or "–",
+            ),
             kind=e.miss.kind,
             text=e.miss.text,
         )

@@ -22,6 +22,7 @@ from reports.verdicts import (
 )
 from tracer.format import MetadataCheck, RunInfo, StepRecord, StepResult
 from tracer.format.groups import TraceGroups, group_label
+from tracer.format.words import Words, snippet, visible
 
 #: Step pages are written for the first this-many request steps (``build_report``'s
 #: ``max_step_pages`` overrides it) ...
@@ -58,6 +59,7 @@ class BlockCell:
     segments: tuple[Segment, ...]  #: the slot bar, when not ``full``
     title: str
     null: bool = False  #: the null block: the row's group keeps no block here (before a sliding window)
+    words: str = ""  #: a snippet of the text it holds ("" without token text; the title has it whole)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class SlotRun:
     block: int
     offsets: str
     slots: str
+    words: str = ""  #: the text of the run's tokens ("" without token text)
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class StepPage:
     grids: tuple[GroupGrid, ...] = ()  #: the block table of each KV-cache group (``rows`` is the first's)
     groups_source: str = ""  #: where the groups come from (recorded, inferred, not recorded)
     attention: tuple[Link, ...] = ()  #: this step's attention pages (one per layer with tensors)
+    has_words: bool = False  #: the trace records token text: cells and slot runs show words
 
 
 def pages_for_steps(records: list[StepRecord], max_request_pages: int = MAX_REQUEST_PAGES) -> set[int]:
@@ -140,8 +144,11 @@ def pages_for_steps(records: list[StepRecord], max_request_pages: int = MAX_REQU
     return set(request) | set(other)
 
 
-def slot_runs(record: StepRecord, block_size: int) -> list[SlotRun]:
-    """Group the step's slot_mapping into runs of one request, one block, consecutive offsets."""
+def slot_runs(record: StepRecord, block_size: int, words: Words | None = None) -> list[SlotRun]:
+    """Group the step's slot_mapping into runs of one request, one block, consecutive offsets.
+
+    With ``words`` (the trace's token text) each run also says the text of the tokens it writes.
+    """
     runs: list[SlotRun] = []
     positions = [p for s, q in zip(record.seq_lens, record.query_lens, strict=False) for p in range(s - q, s)]
     owner = [i for i, q in enumerate(record.query_lens) for _ in range(q)]
@@ -152,6 +159,11 @@ def slot_runs(record: StepRecord, block_size: int) -> list[SlotRun]:
             return
         first, last = current[0], current[-1]
         slot0, slot1 = record.slot_mapping[first], record.slot_mapping[last]
+        text = ""
+        row = owner[first] if first < len(owner) else -1
+        if words and 0 <= row < len(record.request_ids) and last < len(positions):
+            tokens = words.request_tokens(record.request_ids[row])
+            text = visible(words.text(tokens[positions[first] : positions[last] + 1])) if tokens is not None else ""
         runs.append(
             SlotRun(
                 owner[first] if first < len(owner) else -1,
@@ -160,6 +172,7 @@ def slot_runs(record: StepRecord, block_size: int) -> list[SlotRun]:
                 slot0 // block_size,
                 range_text(slot0 % block_size, slot1 % block_size),
                 range_text(slot0, slot1),
+                text,
             )
         )
         current.clear()
@@ -208,6 +221,7 @@ def _cell(
     row: int,
     seq_len: int,
     context_len: int,
+    text: str | None = None,
     null_block: int | None = None,
 ) -> BlockCell:
     if null_block is not None and block == null_block:
@@ -232,21 +246,25 @@ def _cell(
         title += f"; {counts[OTHER]} written in this step by row {', '.join(map(str, others))}"
     if counts[OLD]:
         title += f"; {counts[OLD]} cached before this step"
+    words = ""
+    if text is not None:
+        title += f"\n{text}"
+        words = snippet(text)
     if after == bs and classes.count(OLD) == bs:
-        return BlockCell(block, index, shared, bool(written), True, (), title)
+        return BlockCell(block, index, shared, bool(written), True, (), title, words=words)
     segments = []
     start = 0
     for o in range(1, after + 1):
         if o == after or classes[o] != classes[start]:
             segments.append(Segment(classes[start], _pct(100 * start / bs), _pct(100 * (o - start) / bs)))
             start = o
-    return BlockCell(block, index, shared, bool(written), False, tuple(segments), title)
+    return BlockCell(block, index, shared, bool(written), False, tuple(segments), title, words=words)
 
 
 def _table_rows(
-    record: StepRecord, bs: int, writers: dict[tuple[int, int], int], null: int | None
+    record: StepRecord, bs: int, writers: dict[tuple[int, int], int], null: int | None, words: Words | None
 ) -> tuple[RequestRow, ...]:
-    """The block-table grid's rows of ``record`` (at most ``MAX_ROWS``), null-block cells marked."""
+    """The block-table grid's rows of ``record`` (at most ``MAX_ROWS``), null-block cells marked, words in cells."""
     shared_set = record.shared_blocks - ({null} if null is not None else set())
     rows = []
     query_lens = record.query_lens
@@ -259,11 +277,23 @@ def _table_rows(
             tail = MAX_ROW_CELLS - HEAD_CELLS
             elided = len(indices) - MAX_ROW_CELLS
             indices = indices[:HEAD_CELLS] + indices[-tail:]
+        rid = record.request_ids[i] if i < len(record.request_ids) else ""
+        texts = words.row_texts(rid, len(table_row), bs, seq_len) if words else None
         cells = tuple(
-            _cell(table_row[j], j, bs, table_row[j] in shared_set, writers, i, seq_len, seq_len - q, null)
+            _cell(
+                table_row[j],
+                j,
+                bs,
+                table_row[j] in shared_set,
+                writers,
+                i,
+                seq_len,
+                seq_len - q,
+                texts[j] if texts is not None and j * bs < seq_len else None,
+                null,
+            )
             for j in indices
         )
-        rid = record.request_ids[i] if i < len(record.request_ids) else ""
         rows.append(RequestRow(i, rid, q, seq_len, seq_len - q, cells, elided, HEAD_CELLS if elided else -1))
     return tuple(rows)
 
@@ -309,6 +339,7 @@ def step_view(
     group_records: Sequence[StepRecord] = (),
     attention: Sequence[Link] = (),
     prefix: Link | None = None,
+    words: Words | None = None,
 ) -> StepPage:
     """One step: block-table grids, slot mapping drawn onto blocks, lengths, replay and metadata verdicts.
 
@@ -316,20 +347,21 @@ def step_view(
     at this step (``#step-N`` selects it there). ``groups``: the trace's KV-cache groups;
     ``group_records``: one record of each other group at this step (each gets its own grid,
     explained against ``record``'s). ``attention``: the step's attention pages; ``prefix``: the
-    prefix-cache page, when a request first scheduled here had a hit.
+    prefix-cache page, when a request first scheduled here had a hit. ``words`` (the trace's
+    token text) puts the text each block holds in its cell and each slot run's text in the slot table.
     """
     bs = run.kv_cache.block_size if run.kv_cache else 16
     shared_set = record.shared_blocks
     writers = slot_writers(record, bs)
     written_blocks = sorted({block for block, _ in writers})
     null = groups.null_block if groups is not None else None
-    rows = _table_rows(record, bs, writers, null)
+    rows = _table_rows(record, bs, writers, null, words)
     grids = [_grid(record, layers, bs, groups, null, rows, None)]
     for other in group_records:
         grids.append(
-            _grid(other, layers, bs, groups, null, _table_rows(other, bs, slot_writers(other, bs), null), record)
+            _grid(other, layers, bs, groups, null, _table_rows(other, bs, slot_writers(other, bs), null, words), record)
         )
-    runs = slot_runs(record, bs)
+    runs = slot_runs(record, bs, words)
     shared = sorted(shared_set)
     facts = (
         Row("layer records", f"{len(layers)}: {', '.join(layers[:3])}{' …' if len(layers) > 3 else ''}"),
@@ -369,6 +401,7 @@ def step_view(
         grids=tuple(grids),
         groups_source=groups.source if groups is not None else "",
         attention=tuple(attention),
+        has_words=words is not None,
     )
 
 

@@ -35,6 +35,7 @@ from tracer.format.groups import TraceGroups, trace_groups
 from tracer.format.metadata import check_records
 from tracer.format.prefix import explain_prefix_cache
 from tracer.format.walk import QueryWalk
+from tracer.format.words import Words
 
 __all__ = ["Site", "build_site", "navigation"]
 
@@ -116,6 +117,7 @@ def build_site(
     attention_links: dict[int, list[Link]] = {}
     for name, page in attention_pages.items():
         attention_links.setdefault(page.step, []).append(Link(name, page.layer))
+    words = Words.of(trace)
     steps = {}
     for i, r in enumerate(paged_records):
         prev = paged_records[i - 1].step if i > 0 else None
@@ -134,6 +136,7 @@ def build_site(
             groups=groups,
             group_records=_other_groups(trace, r, groups),
             attention=attention_links.get(r.step, ()),
+            words=words,
         )
     return Site(
         index=index_page(trace, verdicts, located, paged),

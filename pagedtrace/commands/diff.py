@@ -13,6 +13,7 @@ from rich.text import Text
 from pagedtrace.commands import add_lax, literal, open_trace
 from tracer.format import Trace
 from tracer.format.diff import CACHED_FACT, TraceDiff, diff_traces
+from tracer.format.words import snippet
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -158,12 +159,13 @@ def build_diff_tables(diff: TraceDiff) -> list[Table]:
     for col in ("request", "seq_len", "steps A", "steps B", "field", "A", "B"):
         steps.add_column(col, justify="right" if col == "seq_len" else "left")
     for r in diff.requests:
+        label = literal(r.label) if r.text is None else Text.assemble(r.label, (f' "{snippet(r.text)}"', "dim"))
         for i, (name, lo, hi, sa, sb, a, b) in enumerate(_runs(r)):
             seq = str(lo) if lo == hi else f"{lo}-{hi}"
-            steps.add_row(literal(r.label) if i == 0 else "", seq, sa, sb, literal(name), literal(a), literal(b))
+            steps.add_row(label if i == 0 else "", seq, sa, sb, literal(name), literal(a), literal(b))
         if r.only_a or r.only_b:
             steps.add_row(
-                literal(r.label),
+                label,
                 "",
                 "",
                 "",

@@ -77,6 +77,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="tokens every prompt starts with, to show prefix caching (default: %(default)s)",
     )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a text prompt (repeatable; needs a model with a tokenizer, e.g. smollm2-135m); replaces the "
+        "token-id prompts of --prompts/--prompt-len/--shared-prefix",
+    )
+    p.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        default=None,
+        help='text prompts, one a line, or JSON lines: "TEXT", {"prompt": TEXT} or {"messages": [...]} (a chat)',
+    )
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each text prompt")
     p.add_argument("--max-tokens", type=int, default=12, help="tokens to generate per prompt (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -160,8 +175,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
     """The ``tracer.session.SessionConfig`` that ``run``'s arguments ask for, tracing into ``out``."""
+    from tracer.prompts import read_prompts_file
     from tracer.session import SessionConfig
 
+    texts = [*args.prompt, *(read_prompts_file(args.prompts_file) if args.prompts_file else [])]
     return SessionConfig(
         trace_dir=str(out),
         model=args.model,
@@ -186,6 +203,8 @@ def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         flash_attn_version=args.flash_attn_version,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        texts=tuple(texts),
+        chat=args.chat,
     )
 
 
@@ -199,8 +218,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from tracer.session import SessionError, run_session, validate_config
 
     out = Path(args.out)
-    cfg = session_config(args, out)
     try:
+        cfg = session_config(args, out)
         validate_config(cfg)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -294,12 +313,15 @@ MAX_SHOWN_TOKENS = 16
 
 
 def build_tokens_table(result) -> Table:
-    """The generated token ids per prompt (``SessionResult.outputs``)."""
+    """The generated token ids per prompt (``SessionResult.outputs``), or their text where the model has a tokenizer."""
     table = Table(title="generated tokens (greedy)", show_lines=False)
     table.add_column("prompt", justify="right")
     table.add_column("prompt tokens", justify="right")
-    table.add_column("output token ids")
+    table.add_column("output" if result.output_texts else "output token ids")
     for i, (prompt, output) in enumerate(zip(result.prompts, result.outputs, strict=True)):
+        if result.output_texts:
+            table.add_row(str(i), str(len(prompt)), literal(repr(result.output_texts[i])))
+            continue
         shown = " ".join(map(str, output[:MAX_SHOWN_TOKENS]))
         more = f" … (+{len(output) - MAX_SHOWN_TOKENS})" if len(output) > MAX_SHOWN_TOKENS else ""
         table.add_row(str(i), str(len(prompt)), shown + more)

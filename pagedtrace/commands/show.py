@@ -15,6 +15,7 @@ from pagedtrace.terminal import Elided, elide, row_limit
 from tracer.format import layer_index
 from tracer.format.groups import TraceGroups, trace_groups
 from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation, explain_prefix_cache
+from tracer.format.words import snippet
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +87,8 @@ def build_prefix_table(explanations: list[PrefixExplanation], limit: int | None 
         for i, b in enumerate(e.blocks):
             step = b.writer_step if b.writer_step is not None else "?"
             blocks.append(f"{', ' if i else ''}{b.physical}<-{b.writer or '?'}@{step}")
+            if b.text is not None:
+                blocks.append(f' "{snippet(b.text)}"', "dim")
             if b.same_tokens not in (True, None):
                 blocks.append(" (tokens differ!)", "red")
         table.add_row(

@@ -12,6 +12,10 @@ from rich.text import Text
 
 from pagedtrace.commands import add_lax, literal, open_trace, positive_int
 from tracer.format.walk import QueryWalk
+from tracer.format.words import snippet
+
+#: Characters of a block's words in the walk's table.
+WALK_SNIPPET_CHARS = 24
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -89,14 +93,18 @@ def build_walk_tables(walk: QueryWalk) -> list[Table]:
 
     The title names the trace's layer and request id: a ``Text``, never markup.
     """
+    word = f" {walk.query_text!r}" if walk.query_text is not None else ""
     title = (
-        f"step {walk.step} {walk.layer}: request {walk.request_id}, query {walk.token} (position "
+        f"step {walk.step} {walk.layer}: request {walk.request_id}, query {walk.token}{word} (position "
         f"{walk.position}), head {walk.head} (KV head {walk.kv_head}); {walk.compute_dtype}"
     )
     loop = Table(title=literal(title))
-    for col in ("j", "physical", "positions", "valid", "visible", "block max", "m", "rescale", "l", "||acc||"):
-        loop.add_column(col, justify="right")
+    texts = any(b.text is not None for b in walk.blocks)
+    columns = ("j", "physical", "positions", "valid", "visible", "block max", "m", "rescale", "l", "||acc||")
+    for col in columns + (("text",) if texts else ()):
+        loop.add_column(col, justify="left" if col == "text" else "right")
     for b in walk.blocks:
+        words = (literal(snippet(b.text or "", WALK_SNIPPET_CHARS), "dim"),) if texts else ()
         loop.add_row(
             str(b.logical),
             str(b.physical),
@@ -108,6 +116,7 @@ def build_walk_tables(walk: QueryWalk) -> list[Table]:
             f"{b.rescale:.6g}",
             f"{b.l:.6g}",
             f"{b.acc_norm:.6g}",
+            *words,
         )
     lines = Table(title="paged_attention_loop (reference_impl/kernel.py)")
     lines.add_column("value")

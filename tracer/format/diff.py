@@ -24,6 +24,7 @@ from tracer.format.records import StepRecord, TraceError
 from tracer.format.requests import Appearance, RequestView, request_layer, request_views, session_tokens
 from tracer.format.store import REPLAY, Trace
 from tracer.format.verdicts import ReplayReport
+from tracer.format.words import Words
 
 __all__ = ["CACHED_FACT", "FieldDiff", "OutputDiff", "PairDiff", "RequestDiff", "TraceDiff", "diff_traces"]
 
@@ -62,6 +63,7 @@ class RequestDiff:
     pairs: tuple[PairDiff, ...]
     only_a: tuple[int, ...]  #: seq_lens reached in a step of A but of no step of B
     only_b: tuple[int, ...]
+    text: str | None = None  #: the A side's prompt in words (None: A records no token text)
 
     @property
     def same(self) -> bool:
@@ -233,7 +235,19 @@ class _Side:
         return facts
 
 
-def _pair(side_a: _Side, side_b: _Side, va: RequestView, vb: RequestView, names: tuple[dict, dict]) -> RequestDiff:
+def _worded(token: Any, words: Words | None) -> Any:
+    """A token id, as ``504 ('The')`` where the trace records its text."""
+    return f"{token} ({words.text([token])!r})" if words is not None and isinstance(token, int) else token
+
+
+def _pair(
+    side_a: _Side,
+    side_b: _Side,
+    va: RequestView,
+    vb: RequestView,
+    names: tuple[dict, dict],
+    words: tuple[Words | None, Words | None] = (None, None),
+) -> RequestDiff:
     by_seq_b = {app.seq_len: app for app in vb.appearances}
     seq_a = {app.seq_len for app in va.appearances}
     pairs = []
@@ -255,6 +269,7 @@ def _pair(side_a: _Side, side_b: _Side, va: RequestView, vb: RequestView, names:
                 if key == "tokens" and a_value is not None and b_value is not None:
                     n = next(i for i, (x, y) in enumerate(zip(a_value, b_value, strict=False)) if x != y)
                     key, a_value, b_value = f"token at position {n}", a_value[n], b_value[n]
+                    a_value, b_value = _worded(a_value, words[0]), _worded(b_value, words[1])
                 diffs.append(FieldDiff(key, a_value, b_value))
         pairs.append(PairDiff(app.seq_len, app.step, other.step, tuple(sorted(diffs, key=lambda d: d.name))))
     return RequestDiff(
@@ -264,6 +279,7 @@ def _pair(side_a: _Side, side_b: _Side, va: RequestView, vb: RequestView, names:
         pairs=tuple(pairs),
         only_a=tuple(sorted(seq_a - by_seq_b.keys())),
         only_b=tuple(sorted(by_seq_b.keys() - seq_a)),
+        text=words[0].text(va.prompt) if words[0] is not None and va.prompt is not None else None,
     )
 
 
@@ -285,7 +301,8 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
     # Sharing partners are named by the A side's label on both sides, so the patterns compare.
     names_a = {va.request_id: va.label for va, _ in pairs}
     names_b = {vb.request_id: va.label for va, vb in pairs}
-    requests = tuple(_pair(side_a, side_b, va, vb, (names_a, names_b)) for va, vb in pairs)
+    words = (Words.of(a), Words.of(b))
+    requests = tuple(_pair(side_a, side_b, va, vb, (names_a, names_b), words) for va, vb in pairs)
     paired_a, paired_b = {va.request_id for va, _ in pairs}, {vb.request_id for _, vb in pairs}
     notes = []
     if matched_by != "prompt tokens":

@@ -34,6 +34,7 @@ from typing import Any
 from tracer.format.records import TraceError
 from tracer.format.requests import RequestView, request_layer, request_views, session_tokens
 from tracer.format.store import Trace
+from tracer.format.words import Words
 
 __all__ = ["WHAT_THE_TRACE_CANNOT_SHOW", "CachedBlock", "Miss", "PrefixExplanation", "explain_prefix_cache"]
 
@@ -57,6 +58,7 @@ class CachedBlock:
     writer: str | None  #: label of the request that wrote it (None: not in the recorded steps)
     writer_step: int | None  #: the step that wrote it
     same_tokens: bool | None  #: the writer's tokens there equal this request's (None: tokens unknown)
+    text: str | None = None  #: the words it holds (None: the trace records no token text)
 
 
 @dataclass(frozen=True)
@@ -149,11 +151,17 @@ def explain_prefix_cache(trace: Trace, layer: str | None = None) -> list[PrefixE
     if session and isinstance(session.get("config"), dict):
         caching = bool(session["config"].get("prefix_caching", True))
     writes = _Writes(views, block_size)
-    return [_explain(view, views, writes, block_size, caching) for view in views.values()]
+    words = Words.of(trace)
+    return [_explain(view, views, writes, block_size, caching, words) for view in views.values()]
 
 
 def _explain(
-    view: RequestView, views: dict[str, RequestView], writes: _Writes, block_size: int, caching: bool
+    view: RequestView,
+    views: dict[str, RequestView],
+    writes: _Writes,
+    block_size: int,
+    caching: bool,
+    words: Words | None = None,
 ) -> PrefixExplanation:
     first = view.first
     cached = first.context_len
@@ -177,9 +185,10 @@ def _explain(
                 writer=labels[writer[1]] if writer else None,
                 writer_step=writer[0] if writer else None,
                 same_tokens=same,
+                text=words.block_text(view.request_id, j, block_size, cached) if words else None,
             )
         )
-    miss = _miss(view, views, writes, block_size, caching, cached)
+    miss = _miss(view, views, writes, block_size, caching, cached, words)
     return PrefixExplanation(
         request_id=view.request_id,
         label=view.label,
@@ -193,8 +202,19 @@ def _explain(
     )
 
 
+def _token(token: int, words: Words | None) -> str:
+    """``token 504``, or with the trace's words ``token 504 ('The')``."""
+    return f"token {token}" + (f" ({words.text([token])!r})" if words else "")
+
+
 def _miss(
-    view: RequestView, views: dict[str, RequestView], writes: _Writes, block_size: int, caching: bool, cached: int
+    view: RequestView,
+    views: dict[str, RequestView],
+    writes: _Writes,
+    block_size: int,
+    caching: bool,
+    cached: int,
+    words: Words | None = None,
 ) -> Miss:
     k = cached // block_size
     start, end = k * block_size, (k + 1) * block_size
@@ -240,8 +260,8 @@ def _miss(
                 "different-token",
                 k,
                 lcp,
-                f"block {k} (positions {start}-{end - 1}) differs at position {lcp}: token {view.prompt[lcp]} "
-                f"here, {donor.tokens[lcp]} in {donor.label} (the closest earlier request)"
+                f"block {k} (positions {start}-{end - 1}) differs at position {lcp}: {_token(view.prompt[lcp], words)} "
+                f"here, {_token(donor.tokens[lcp], words)} in {donor.label} (the closest earlier request)"
                 + (f"; the shared prefix is {lcp} tokens, less than one block" if lcp < block_size else ""),
             )
         return Miss(

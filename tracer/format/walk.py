@@ -54,6 +54,7 @@ class BlockLine:
     l: float  #: running sum of exp(score - m)
     rescale: float  #: exp(m_old - m_new) applied to the old l and acc
     acc_norm: float  #: ||acc||_2, the unnormalised output
+    text: str | None = None  #: the words its keys are (None: the trace records no token text)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class QueryWalk:
     tolerance: float  #: replay's bar for this head of the step: k * err(the kernel's rounding, emulated) + a floor
     output_head: tuple[float, ...]  #: the first values of the reference output row
     vllm_head: tuple[float, ...]  #: the same values of vLLM's output
+    query_text: str | None = None  #: the word whose query this is (None: the trace records no token text)
 
     @property
     def ok(self) -> bool:
