@@ -61,6 +61,22 @@ QUIET_ENV = {
 }
 
 
+#: vLLM's CPU thread binding, one ``|``-separated CPU list per rank. Its default (``auto``) binds
+#: each rank to a NUMA node of its own, which a one-node machine does not have.
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_binding(ranks: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value: this process's CPUs dealt out to ``ranks`` ranks.
+
+    Each rank gets an equal share (at least one CPU; with fewer CPUs than ranks, ranks share).
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    share = max(1, len(cpus) // ranks)
+    groups = [cpus[(r * share) % len(cpus) :][:share] for r in range(ranks)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
 #: CUDA-graph batch sizes captured when a graph mode is asked for.
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -98,6 +114,9 @@ class SessionConfig:
     prefix_caching: bool = True  #: vLLM's ``enable_prefix_caching`` (``--no-prefix-caching`` turns it off)
     kv_check_every: int = 0  #: every N-th tensor step also stores whole blocks (checks the write log)
     query_rows: int = 0  #: keep the query/output of at most this many rows a step (0: all)
+    #: vLLM's ``tensor_parallel_size``: above 1, vLLM's multiprocess executor runs one worker per
+    #: rank and each traces its heads (``rank<N>/`` in the trace directory, :mod:`tracer.format.ranks`)
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -200,6 +219,7 @@ def validate_config(cfg: SessionConfig) -> None:
         ("--shared-prefix", cfg.shared_prefix, 0),
         ("--kv-check-every", cfg.kv_check_every, 0),
         ("--query-rows", cfg.query_rows, 0),
+        ("--tensor-parallel-size", cfg.tensor_parallel_size, 1),
     ):
         if value < least:
             raise ValueError(f"{flag} must be {'positive' if least else '0 or more'}, got {value}")
@@ -385,6 +405,11 @@ def run_session(
             kwargs["block_size"] = block_size
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+            kwargs["distributed_executor_backend"] = "mp"
+            if on_cpu:
+                os.environ.setdefault(CPU_BIND, cpu_binding(cfg.tensor_parallel_size))
         if cfg.cudagraph_mode and not cfg.enforce_eager:
             # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs. A
             # tensor trace keeps full graphs: the tracer's copies are captured into them (tracer.graph_copies).

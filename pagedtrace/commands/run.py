@@ -106,6 +106,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "mode, full graphs included); default: eager",
     )
     p.add_argument("--multiprocess", action="store_true", help="run vLLM's engine core in its own process")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="vLLM's tensor_parallel_size: N workers (vLLM's multiprocess executor), each tracing its heads "
+        "into one trace (default: %(default)s)",
+    )
     p.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype, e.g. fp8 (default: %(default)s)")
     p.add_argument(
         "--flash-attn-version",
@@ -159,6 +167,7 @@ def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         flash_attn_version=args.flash_attn_version,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
