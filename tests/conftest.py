@@ -73,3 +73,9 @@ def cpu_trace_block16(tmp_path_factory) -> Path:
 def cpu_trace_query_rows(tmp_path_factory) -> Path:
     """:func:`cpu_trace`'s session keeping ``QUERY_ROWS_KEPT`` query rows a step (format 4)."""
     return _engine_variant(tmp_path_factory, "query-rows", ["--query-rows", str(QUERY_ROWS_KEPT)])
+
+
+@pytest.fixture(scope="session")
+def cpu_trace_tp2(tmp_path_factory) -> Path:
+    """:func:`cpu_trace`'s session on two tensor-parallel ranks (vLLM's multiprocess executor, one CPU each)."""
+    return _engine_variant(tmp_path_factory, "tp2", ["--tensor-parallel-size", "2"])
