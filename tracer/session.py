@@ -239,7 +239,14 @@ def validate_config(cfg: SessionConfig) -> None:
     trace_dir = Path(cfg.trace_dir)
     if cfg.trace and trace_dir.exists() and (not trace_dir.is_dir() or any(trace_dir.iterdir())):
         raise ValueError(f"{trace_dir} exists and is not an empty directory: choose a new --out")
-    count = num_layers_of(read_model_config(cfg.model))
+    model_config = read_model_config(cfg.model)
+    heads = (model_config.get("text_config") or model_config).get("num_attention_heads")
+    tp = cfg.tensor_parallel_size
+    if tp > 1 and isinstance(heads, int) and heads % tp:
+        raise ValueError(
+            f"--tensor-parallel-size {tp}: {cfg.model} has {heads} attention heads, not a multiple of {tp}"
+        )
+    count = num_layers_of(model_config)
     if count is None or isinstance(layers, str):
         return
     for item in layers:
