@@ -16,6 +16,15 @@ from tracer.format.summary import TraceSummary, step_ranges
 MAX_GAP_TEXT = 120
 
 
+#: Disagreements between ranks listed, at most this many.
+MAX_DISAGREEMENTS = 8
+
+
+def _span(start: int, count: int) -> str:
+    """Global heads ``start .. start + count - 1``: ``2-3`` (``2`` for one)."""
+    return str(start) if count == 1 else f"{start}-{start + count - 1}"
+
+
 #: ``StepRecord.cudagraph`` in words, for the summary's CUDA-graph row.
 GRAPH_WORDS = {"full": "as full graphs", "piecewise": "piecewise", "none": "eager"}
 
@@ -65,6 +74,18 @@ def build_trace_summary_table(s: TraceSummary) -> Table:
             f"{kv['layout']} {tuple(kv['shape'])}: {kv['num_blocks']} blocks × {kv['block_size']} tokens, {cache}; "
             f"physically {kv['physical_order']}",
         )
+    for i, tp in enumerate(s.ranks):
+        heads = f"query heads {_span(tp['head_start'], tp['num_heads'])}, "
+        heads += f"KV heads {_span(tp['kv_head_start'], tp['num_kv_heads'])}"
+        where = "" if tp["directory"] == "." else f" in {tp['directory']}/"
+        table.add_row(
+            "ranks" if i == 0 else "",
+            Text(f"rank {tp['rank']} of {tp['world_size']}: {heads}; {tp['records']} records{where}"),
+        )
+    for i, line in enumerate(s.disagreements[:MAX_DISAGREEMENTS]):
+        table.add_row("ranks disagree" if i == 0 else "", Text(line, style="bold red"))
+    if len(s.disagreements) > MAX_DISAGREEMENTS:
+        table.add_row("", Text(f"… {len(s.disagreements) - MAX_DISAGREEMENTS} more", style="red"))
     kinds = ", ".join(f"{n} {kind}" for kind, n in s.steps_by_kind.items()) or "none"
     row("steps", f"{kinds} ({s.num_records} (step, layer) records)")
     if s.steps_by_graph:

@@ -288,6 +288,31 @@ def _summary_rows(trace: Trace) -> tuple[Row, ...]:
         Row("created", run.created_at),
         Row("trace", str(trace.path)),
     ]
+    return tuple(rows) + _rank_rows(trace)
+
+
+def _span(heads: range) -> str:
+    return str(heads.start) if len(heads) == 1 else f"{heads.start}-{heads.stop - 1}"
+
+
+def _rank_rows(trace: Trace) -> tuple[Row, ...]:
+    """A tensor-parallel trace's ranks and their global heads, and where their parts disagree."""
+    rows = []
+    for part in trace.ranks:
+        tp = part.run.tensor_parallel
+        if tp is None:
+            continue
+        where = "the trace directory" if part is trace.ranks[0] else f"{part.path.name}/"
+        rows.append(
+            Row(
+                f"rank {tp.rank} of {tp.world_size}",
+                f"query heads {_span(tp.heads)}, KV heads {_span(tp.kv_heads)}; {len(part.records)} records in {where}",
+            )
+        )
+    if trace.disagreements:
+        shown = "; ".join(str(d) for d in trace.disagreements[:4])
+        more = f" (+{len(trace.disagreements) - 4} more)" if len(trace.disagreements) > 4 else ""
+        rows.append(Row("ranks disagree", f"{len(trace.disagreements)}: {shown}{more}"))
     return tuple(rows)
 
 

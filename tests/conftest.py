@@ -89,3 +89,9 @@ def smollm2_trace(tmp_path_factory) -> Path:
     root = Path(__file__).resolve().parents[1]
     run_engine(["-m", "pagedtrace", "run", "-o", str(out), *SMOLLM2_ARGS], cwd=root)
     return out
+
+
+@pytest.fixture(scope="session")
+def cpu_trace_tp2(tmp_path_factory) -> Path:
+    """:func:`cpu_trace`'s session on two tensor-parallel ranks (vLLM's multiprocess executor, one CPU each)."""
+    return _engine_variant(tmp_path_factory, "tp2", ["--tensor-parallel-size", "2"])

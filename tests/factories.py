@@ -329,3 +329,72 @@ def make_batch(seq_lens, q_lens, *, num_kv_heads=2, group=2, head_size=16, block
         k_scale=0.5 if fp8 else 1.0, v_scale=2.0 if fp8 else 1.0,
     )  # fmt: skip
     return Batch(query, key, value, table, torch.tensor(seq_lens), torch.tensor(qsl), kwargs, used)
+
+
+# -- tensor-parallel traces split from a single-rank one ---------------------------------------
+
+
+def split_ranks(source: Path, dest: Path, world_size: int) -> Path:
+    """Write ``source`` (a single-rank trace) as the ``world_size`` ranks' parts of a tensor-parallel trace.
+
+    Each rank gets vLLM's split (``tracer.manifest.tensor_parallel_of``): query heads from
+    ``r * H / world_size``, KV heads from ``r * H_kv // world_size`` (replicated when there are
+    more ranks than KV heads). Records keep their metadata with this rank's head counts; the
+    tensors of ``tracer.format.ranks.HEAD_TENSORS`` / ``KV_HEAD_TENSORS`` are cut to the rank's
+    heads from the stored files (a KV write log as it is, not rebuilt), the rest copied. Rank 0
+    writes ``dest`` with ``source``'s sources and ``session.json``, rank N ``dest/rank<N>``.
+    """
+    from safetensors.torch import load_file
+
+    from tracer.format import TensorParallel, Trace, TraceWriter
+    from tracer.format.ranks import HEAD_TENSORS, KV_HEAD_TENSORS, rank_dir
+
+    trace = Trace.open(source)
+    spec = trace.run.kv_cache
+    assert spec is not None and not trace.ranks
+    heads = trace.records[0].num_heads
+    kv_heads = spec.num_kv_heads
+    for rank in range(world_size):
+        num_heads, num_kv = heads // world_size, max(1, kv_heads // world_size)
+        tp = TensorParallel(rank, world_size, rank * num_heads, num_heads, rank * kv_heads // world_size, num_kv)
+        cut = {
+            **{name: (dim, tp.heads) for name, dim in HEAD_TENSORS.items()},
+            **{name: (dim, tp.kv_heads) for name, dim in KV_HEAD_TENSORS.items()},
+        }
+        shape = (spec.shape[0], num_kv, *spec.shape[2:])
+        part = dataclasses.replace(spec, num_kv_heads=num_kv, shape=shape)
+        run = dataclasses.replace(
+            trace.run,
+            format_version=FORMAT_VERSION,
+            kv_cache=part,
+            tensor_parallel=tp,
+            sources={} if rank else trace.run.sources,
+        )
+        out = dest / rank_dir(rank) if rank else dest
+        with TraceWriter(out) as writer:
+            writer.write_manifest(run)
+            for gap in trace.gaps:
+                writer.append(gap)
+            for record in trace.records:
+                tensors = None
+                if record.tensors is not None:
+                    stored = load_file(str(trace.tensor_path(record)))
+                    tensors = {
+                        name: t.narrow(cut[name][0], cut[name][1].start, len(cut[name][1])).contiguous()
+                        if name in cut
+                        else t
+                        for name, t in stored.items()
+                    }
+                per_head = {
+                    f: None if getattr(record, f) is None else getattr(record, f)[tp.head_start : tp.heads.stop]
+                    for f in ("alibi_slopes", "sinks")
+                }
+                mine = dataclasses.replace(
+                    record, num_heads=num_heads, num_kv_heads=num_kv, tensors=None, tensor_names=(), **per_head
+                )
+                writer.append(mine, tensors)
+    if not (dest / SOURCES_DIR).exists() and (source / SOURCES_DIR).is_dir():
+        shutil.copytree(source / SOURCES_DIR, dest / SOURCES_DIR)
+    if (source / "session.json").is_file():
+        shutil.copy(source / "session.json", dest / "session.json")
+    return dest

@@ -59,6 +59,7 @@ BOTTOM_LAYER_LAZY = frozenset(
     {
         ("tracer/format/store.py", "safetensors"),
         ("tracer/format/store.py", "torch"),
+        ("tracer/format/ranks.py", "torch"),
         ("tracer/format/writelog.py", "safetensors"),
         ("tracer/format/writelog.py", "torch"),
     }

@@ -22,6 +22,7 @@ from tracer.format import (
     KVCacheSpec,
     ModelSummary,
     RunInfo,
+    TensorParallel,
     TraceWriter,
     __version__,
     layer_index,
@@ -37,6 +38,7 @@ __all__ = [
     "import_attr",
     "kv_cache_spec",
     "kv_layout_of",
+    "tensor_parallel_of",
     "tp_rank",
     "vllm_sources",
     "write_manifest",
@@ -63,6 +65,36 @@ def tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # noqa: BLE001 - not initialised: a single process
         return 0
+
+
+def tensor_parallel_of(impl: Any, cfg: Any) -> TensorParallel | None:
+    """This worker's rank, world size and head ranges; None without vLLM's parallel state or a backend.
+
+    vLLM's ``QKVParallelLinear`` gives rank ``r`` of ``tp`` the query heads from ``r * H / tp``
+    and, with ``H_kv`` KV heads, the KV heads from ``r * H_kv // tp`` (a KV head replicated on
+    ``tp / H_kv`` ranks when ``tp > H_kv``); the backend's ``num_heads`` / ``num_kv_heads`` are
+    this rank's counts.
+    """
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
+
+        world = int(get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001 - not initialised: no parallel state to record
+        return None
+    num_heads, num_kv_heads = getattr(impl, "num_heads", None), getattr(impl, "num_kv_heads", None)
+    mc = getattr(cfg, "model_config", None)
+    if not isinstance(num_heads, int) or not isinstance(num_kv_heads, int) or mc is None:
+        return None
+    rank = tp_rank()
+    total_kv = int(mc.get_total_num_kv_heads())
+    return TensorParallel(
+        rank=rank,
+        world_size=world,
+        head_start=rank * num_heads,
+        num_heads=num_heads,
+        kv_head_start=rank * total_kv // world,
+        num_kv_heads=num_kv_heads,
+    )
 
 
 def vllm_sources() -> dict[str, str]:
@@ -126,10 +158,12 @@ def build_run_info(
     kv = None
     backend = "unknown"
     fa_version = None
+    tensor_parallel = None
     if impl is not None:
         backend = f"{type(impl).__module__}.{type(impl).__qualname__}"
         fa_version = getattr(impl, "vllm_flash_attn_version", None)
         kv = kv_cache_spec(impl, kv_cache, layer, cfg)
+        tensor_parallel = tensor_parallel_of(impl, cfg)
     cc = getattr(cfg, "compilation_config", None)
     return RunInfo(
         format_version=FORMAT_VERSION,
@@ -151,6 +185,7 @@ def build_run_info(
         extra={"pid": os.getpid(), "model_attention": _model_attention(cfg), **_cpu_attention(impl)},
         kv_cache_groups=kv_cache_groups(runner),
         null_block=null_block_id(),
+        tensor_parallel=tensor_parallel,
     )
 
 

@@ -5,7 +5,9 @@ attention logit is ~0 and attention is a plain average of V: a replay of such a
 run cannot tell a right block order or K layout from a wrong one. This loader
 starts from vLLM's dummy loader, then re-initialises with a seeded normal scaled
 by fan-in (query/key projections a bit larger), so logits spread over several
-units and each query attends to a few keys.
+units and each query attends to a few keys. Under tensor parallelism each rank
+re-initialises its own shards from ``SEED + rank``, so no two ranks hold the same
+heads (a rank's heads put in another rank's place would show).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 LOAD_FORMAT = "pagedtrace_random"
-#: Seed of the re-initialisation: the same preset always gives the same weights.
+#: Seed of the re-initialisation (plus the tensor-parallel rank): the same preset at the same
+#: tensor-parallel size always gives the same weights.
 SEED = 1234
 #: Standard deviation factor (times 1/sqrt(fan_in)) for ``qkv_proj``.
 QKV_GAIN = 1.5
@@ -66,7 +69,9 @@ def register_loader() -> None:
         """vLLM's dummy loader followed by ``reinit_weights``."""
 
         def load_weights(self, model, model_config) -> None:
+            from tracer.manifest import tp_rank
+
             super().load_weights(model, model_config)
-            reinit_weights(model)
+            reinit_weights(model, seed=SEED + tp_rank())
 
     _registered = True

@@ -72,6 +72,22 @@ QUIET_ENV = {
 }
 
 
+#: vLLM's CPU thread binding, one ``|``-separated CPU list per rank. Its default (``auto``) binds
+#: each rank to a NUMA node of its own, which a one-node machine does not have.
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_binding(ranks: int) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value: this process's CPUs dealt out to ``ranks`` ranks.
+
+    Each rank gets an equal share (at least one CPU; with fewer CPUs than ranks, ranks share).
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    share = max(1, len(cpus) // ranks)
+    groups = [cpus[(r * share) % len(cpus) :][:share] for r in range(ranks)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
 #: CUDA-graph batch sizes captured when a graph mode is asked for.
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -113,6 +129,9 @@ class SessionConfig:
     #: Text prompts (a string, or a conversation: a list of ``{"role", "content"}``); empty: token-id prompts.
     texts: tuple[Any, ...] = ()
     chat: bool = False  #: apply the model's chat template to text prompts (conversations always get it)
+    #: vLLM's ``tensor_parallel_size``: above 1, vLLM's multiprocess executor runs one worker per
+    #: rank and each traces its heads (``rank<N>/`` in the trace directory, :mod:`tracer.format.ranks`)
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -282,6 +301,7 @@ def validate_config(cfg: SessionConfig) -> None:
         ("--shared-prefix", cfg.shared_prefix, 0),
         ("--kv-check-every", cfg.kv_check_every, 0),
         ("--query-rows", cfg.query_rows, 0),
+        ("--tensor-parallel-size", cfg.tensor_parallel_size, 1),
     ):
         if value < least:
             raise ValueError(f"{flag} must be {'positive' if least else '0 or more'}, got {value}")
@@ -324,6 +344,12 @@ def validate_config(cfg: SessionConfig) -> None:
     if not cfg.texts:  # text prompts are measured by vLLM's tokenizer, at the engine's start
         longest = max(map(len, make_prompts(cfg, vocab_size_of(model_config))))
         vllm_rules.check_max_model_len(max_model_len_of(cfg), longest, cfg.max_tokens)
+    heads = (model_config.get("text_config") or model_config).get("num_attention_heads")
+    tp = cfg.tensor_parallel_size
+    if tp > 1 and isinstance(heads, int) and heads % tp:
+        raise ValueError(
+            f"--tensor-parallel-size {tp}: {cfg.model} has {heads} attention heads, not a multiple of {tp}"
+        )
     count = num_layers_of(model_config)
     if count is None or isinstance(layers, str):
         return
@@ -508,6 +534,11 @@ def run_session(
             kwargs["block_size"] = block_size
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+            kwargs["distributed_executor_backend"] = "mp"
+            if on_cpu:
+                os.environ.setdefault(CPU_BIND, cpu_binding(cfg.tensor_parallel_size))
         if not eager:
             # A few capture sizes keep start-up short; decode batches of up to 32 replay graphs. A
             # tensor trace keeps full graphs: the tracer's copies are captured into them (tracer.graph_copies).

@@ -136,7 +136,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
                     Text.assemble(
                         ("mismatch", "red"),
                         f" step {result.step} {result.layer}: max abs {result.max_abs:.3g} > tol {result.tol:.3g}"
-                        + (f" ({result.note})" if result.note else ""),
+                        + (f" ({result.note})" if result.note else "")
+                        + (f"; {heads_on_ranks(trace, result.bad_heads)}" if trace.ranks and result.bad_heads else ""),
                     )
                 )
 
@@ -171,6 +172,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 style="dim",
             )
         )
+    for line in rank_lines(trace, report):
+        console.print(line)
     # A metadata-only trace skips every record: the summary says so once.
     for skipped in report.skipped if report.steps else ():
         console.print(literal(f"skipped: {skipped}", "dim"))
@@ -192,6 +195,40 @@ def save_tour_walk(trace) -> None:
     walk, _ = walk_for_tour(trace)
     if walk is not None:
         write_side_file(trace.path, TOUR_WALK, walk.to_json())
+
+
+def heads_on_ranks(trace, heads) -> str:
+    """``heads 2, 3 (rank 1)``: global query heads, each with the tensor-parallel rank that ran it."""
+    from tracer.format.ranks import rank_of_head
+
+    infos = [part.run.tensor_parallel for part in trace.ranks]
+    by_rank: dict[int | None, list[int]] = {}
+    for h in heads:
+        by_rank.setdefault(rank_of_head(infos, h), []).append(h)
+    return ", ".join(
+        f"head{'s' if len(hs) > 1 else ''} {', '.join(map(str, hs))} (rank {'?' if r is None else r})"
+        for r, hs in by_rank.items()
+    )
+
+
+def rank_lines(trace, report) -> list[Text]:
+    """For a tensor-parallel trace: its ranks' heads, then each step whose heads failed, naming their ranks."""
+    if not trace.ranks:
+        return []
+    spans = ", ".join(
+        f"rank {tp.rank}: {tp.head_start}-{tp.head_start + tp.num_heads - 1}"
+        for tp in (part.run.tensor_parallel for part in trace.ranks)
+    )
+    lines = [literal(f"{len(trace.ranks)} tensor-parallel ranks, every global query head judged ({spans})", "dim")]
+    for r in report.steps:
+        if r.bad_heads:
+            lines.append(
+                Text.assemble(
+                    ("FAIL", "bold red"),
+                    f" step {r.step} {short_layer(r.layer)}: {heads_on_ranks(trace, r.bad_heads)} outside tolerance",
+                )
+            )
+    return lines
 
 
 def _num(x: float) -> str:

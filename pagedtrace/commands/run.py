@@ -144,6 +144,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--multiprocess", action="store_true", help="run vLLM's engine core in its own process")
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="vLLM's tensor_parallel_size: N workers (vLLM's multiprocess executor), each tracing its heads "
+        "into one trace (default: %(default)s)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         metavar="DTYPE",
@@ -205,6 +213,7 @@ def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         texts=tuple(texts),
         chat=args.chat,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -86,6 +86,12 @@ INT_RANGES: dict[tuple[str, str], tuple[int, int]] = {
     ("KVCacheGroup", "sliding_window"): (1, INT64_MAX),
     ("KVCacheGroup", "attention_chunk_size"): (1, INT64_MAX),
     ("RunInfo", "flash_attn_version"): (0, 1000),
+    ("TensorParallel", "rank"): (0, _HEADS[1] - 1),
+    ("TensorParallel", "world_size"): _HEADS,
+    ("TensorParallel", "head_start"): (0, _HEADS[1] - 1),
+    ("TensorParallel", "num_heads"): _HEADS,
+    ("TensorParallel", "kv_head_start"): (0, _HEADS[1] - 1),
+    ("TensorParallel", "num_kv_heads"): _HEADS,
 }
 
 #: (record class, field) -> most entries its list may hold (the outer list); others: MAX_LIST.

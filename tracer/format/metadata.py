@@ -33,6 +33,9 @@ included. Each compares what vLLM handed attention with what it must be:
     record's window is at most the group's, so it never reads outside its window), and its
     table points no position inside the group's window of any query of the row at the null
     block (vLLM's ``SlidingWindowManager`` gives back only blocks wholly before it).
+``ranks`` (:data:`RANKS_CHECK`, a tensor-parallel trace only)
+    Every rank recorded the same metadata as rank 0 for the step (``Trace.disagreements``,
+    :mod:`tracer.format.ranks`); a record or gap only some ranks have is a problem too.
 
 Standard library only: runs where neither torch nor vLLM is installed.
 """
@@ -52,6 +55,7 @@ from tracer.format.verdicts import MetadataCheck, MetadataProblem
 __all__ = [
     "MAX_PROBLEMS",
     "METADATA_CHECKS",
+    "RANKS_CHECK",
     "check_record",
     "check_records",
     "expected_attention",
@@ -60,6 +64,8 @@ __all__ = [
 
 #: The checks, in the order they are reported.
 METADATA_CHECKS = ("lengths", "slots", "blocks", "shared", "flags", "groups")
+#: The check a tensor-parallel trace adds after them: the ranks' parts agree.
+RANKS_CHECK = "ranks"
 #: Problems kept per check (``num_problems`` counts all of them).
 MAX_PROBLEMS = 8
 #: vLLM's null block: the placeholder id for "no block here".
@@ -446,6 +452,10 @@ def check_records(trace: Trace, records: Iterable[StepRecord]) -> tuple[Metadata
 
     A trace without a KV-cache spec in its manifest gets no metadata checks (nothing to
     hold the block ids against): the result is empty.
+
+    A tensor-parallel trace adds a :data:`RANKS_CHECK` per record, and one per disagreement
+    at a (step, layer) that has no joined record (a gap, a record rank 0 lacks) in a step of
+    ``records``.
     """
     spec = trace.run.kv_cache
     if spec is None:
@@ -453,10 +463,33 @@ def check_records(trace: Trace, records: Iterable[StepRecord]) -> tuple[Metadata
     tokens = known_tokens(trace.read_json(SESSION))
     groups = trace_groups(trace)
     first: dict[tuple[int, int], StepRecord] = {}  # (step, group) -> the first record of that group
+    records = list(records)
     out: list[MetadataCheck] = []
     for r in records:
         group = groups.of_record(r)
         key = (r.step, group.group) if group is not None else None
         other = first.setdefault(key, r) if key is not None else None
         out.extend(check_record(r, spec, trace.run, tokens, groups, other if other is not r else None))
+    if trace.ranks:
+        out.extend(_check_ranks(trace, records))
     return tuple(out)
+
+
+def _check_ranks(trace: Trace, records: Sequence[StepRecord]) -> list[MetadataCheck]:
+    by_key: dict[tuple[int, str], list[Any]] = {}
+    for d in trace.disagreements:
+        by_key.setdefault((d.step, d.layer), []).append(d)
+    out = []
+    for r in records:
+        f = _Findings(r, RANKS_CHECK)
+        f.checked = len(trace.ranks) - 1
+        for d in by_key.pop((r.step, r.layer), ()):
+            f.add(d.message)
+        out.append(f.done())
+    steps = {r.step for r in records}
+    joined = {(r.step, r.layer) for r in trace.records}
+    for (step, layer), found in sorted(by_key.items()):
+        if step in steps and (step, layer) not in joined:
+            problems = tuple(MetadataProblem(d.message) for d in found[:MAX_PROBLEMS])
+            out.append(MetadataCheck(step, layer, found[0].kind, RANKS_CHECK, False, len(found), len(found), problems))
+    return out

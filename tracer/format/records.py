@@ -50,6 +50,7 @@ __all__ = [
     "ModelSummary",
     "RunInfo",
     "StepRecord",
+    "TensorParallel",
     "TraceError",
     "record_from_json",
     "record_to_json",
@@ -217,6 +218,34 @@ class ModelSummary(_JsonRecord):
 
 
 @dataclass(frozen=True)
+class TensorParallel(_JsonRecord):
+    """Which part of the model one tensor-parallel rank ran (vLLM's ``QKVParallelLinear`` split).
+
+    Rank ``r`` of ``world_size`` holds query heads ``head_start .. head_start + num_heads - 1``
+    and KV heads ``kv_head_start ..``, global 0-based numbers. With more ranks than KV heads
+    vLLM replicates each KV head on ``world_size / total KV heads`` ranks: then ranks share a
+    ``kv_head_start``.
+    """
+
+    rank: int  #: 0-based tensor-parallel rank
+    world_size: int  #: tensor-parallel ranks in the engine
+    head_start: int  #: first global query head of this rank
+    num_heads: int  #: query heads this rank holds (``StepRecord.num_heads``)
+    kv_head_start: int  #: first global KV head of this rank
+    num_kv_heads: int  #: KV heads this rank holds (``KVCacheSpec.num_kv_heads``)
+
+    @property
+    def heads(self) -> range:
+        """This rank's global query heads."""
+        return range(self.head_start, self.head_start + self.num_heads)
+
+    @property
+    def kv_heads(self) -> range:
+        """This rank's global KV heads."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
+
+@dataclass(frozen=True)
 class RunInfo(_JsonRecord):
     """The manifest: one per trace directory."""
 
@@ -245,6 +274,9 @@ class RunInfo(_JsonRecord):
     #: ``BlockPool.null_block.block_id``: the id a table holds where a group keeps no block (0 in
     #: vLLM 0.26); None: not recorded.
     null_block: int | None = field(default=None, metadata={SINCE: 5})
+    #: This rank of a tensor-parallel engine (``rank<N>/`` holds rank N > 0, :mod:`tracer.format.ranks`);
+    #: None where vLLM's parallel state was not up (a trace made outside vLLM's workers).
+    tensor_parallel: TensorParallel | None = field(default=None, metadata={SINCE: 5})
 
 
 @dataclass(frozen=True)
@@ -348,7 +380,11 @@ _VOCABULARY.update(
     }
 )
 #: Whole-record checks run after a record is decoded, by class name (field types are checked first).
-_CHECKS: dict[str, Any] = {"StepRecord": schema.check_step, "RunInfo": schema.check_run}
+_CHECKS: dict[str, Any] = {
+    "StepRecord": schema.check_step,
+    "RunInfo": schema.check_run,
+    "TensorParallel": schema.check_tensor_parallel,
+}
 
 
 def record_from_json(data: dict[str, Any], version: int = FORMAT_VERSION) -> StepRecord | GapRecord:

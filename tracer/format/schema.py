@@ -34,6 +34,7 @@ __all__ = [
     "check_run",
     "check_step",
     "check_step_in_cache",
+    "check_tensor_parallel",
     "check_tensors",
 ]
 
@@ -105,12 +106,23 @@ def check_run(run: Any) -> None:
     spec = run.kv_cache
     if spec is not None and len(spec.stride) != len(spec.shape):
         raise TraceError(f"RunInfo.kv_cache.stride: {len(spec.stride)} strides for the {len(spec.shape)}-D shape")
+    tp = getattr(run, "tensor_parallel", None)
+    if spec is not None and tp is not None and tp.num_kv_heads != spec.num_kv_heads:
+        raise TraceError(
+            f"RunInfo.tensor_parallel.num_kv_heads: {tp.num_kv_heads}, but the KV cache holds {spec.num_kv_heads}"
+        )
     for vllm_path, entry in run.sources.items():
         where = f"RunInfo.sources[{vllm_path[:80]!r}]"
         if set(entry) != {"file", "sha256"}:
             raise TraceError(f"{where}: expected the keys file and sha256, got {sorted(entry)[:4]}")
         if not _SHA256.fullmatch(entry["sha256"]):
             raise TraceError(f"{where}.sha256: not 64 lowercase hex digits")
+
+
+def check_tensor_parallel(tp: Any) -> None:
+    """A manifest's ``tensor_parallel``: the rank inside the world."""
+    if tp.rank >= tp.world_size:
+        raise TraceError(f"TensorParallel.rank: {tp.rank}, but world_size is {tp.world_size}")
 
 
 # -- a record against the manifest and against its tensors -------------------------------------

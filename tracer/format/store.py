@@ -8,6 +8,7 @@ A trace directory::
     sources/...          the vLLM source files the annotator reads, as the engine had them
     session.json         optional: what ``pagedtrace run`` asked for and got back
     replay.json          optional: ``pagedtrace replay``'s verdicts
+    rank<N>/             tensor-parallel rank N > 0: a whole trace of its heads (:mod:`tracer.format.ranks`)
 
 Only JSON and safetensors are written or read; torch and safetensors are imported only when tensors are
 read or written, so a report can be built where neither is installed.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from tracer.format.ranks import RankDisagreement, join, join_tensors, kv_ranks, rank_dir
 from tracer.format.reading import (
     MAX_LINE_BYTES,
     MAX_MANIFEST_BYTES,
@@ -160,6 +162,11 @@ class Trace:
     (:meth:`member`), only regular files (:mod:`tracer.format.reading`), and checks every
     record against the schema (:mod:`tracer.format.schema`); whatever is wrong is a
     ``TraceError`` with a one-line message.
+
+    A tensor-parallel trace reads as one (:mod:`tracer.format.ranks`): ``records`` per (step,
+    layer) with the global heads, ``tensors`` joined over the ranks, ``ranks`` each rank's own
+    trace (rank order) and ``disagreements`` where a rank's part differs from rank 0's. A
+    single-rank trace has no ``ranks``.
     """
 
     path: Path
@@ -167,7 +174,10 @@ class Trace:
     records: list[StepRecord]
     gaps: list[GapRecord]
     problems: list[str] = field(default_factory=list)
+    ranks: tuple[Trace, ...] = ()
+    disagreements: tuple[RankDisagreement, ...] = ()
     _write_log: WriteLogReader | None = field(default=None, init=False, repr=False, compare=False)
+    _by_key: tuple[dict[tuple[int, str], StepRecord], ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, strict: bool = True) -> Trace:
@@ -194,6 +204,29 @@ class Trace:
         if f is not None:
             with f:
                 trace._read_steps(f, steps_path, strict)
+        tp = run.tensor_parallel
+        if tp is not None and tp.rank == 0 and tp.world_size > 1:
+            return trace._joined(strict)
+        return trace
+
+    def _joined(self, strict: bool) -> Trace:
+        """This rank-0 trace joined with the other ranks' parts (``rank<N>/``)."""
+        parts = [self]
+        for rank in range(1, self.run.tensor_parallel.world_size):  # type: ignore[union-attr]
+            where = self.path / rank_dir(rank)
+            try:
+                if where.is_symlink() or not where.is_dir():
+                    raise TraceError(f"{where}: rank {rank}'s part of the trace is missing")
+                parts.append(Trace.open(where, strict=strict))
+            except TraceError as exc:
+                if strict:
+                    raise
+                self.problems.append(f"{exc}; reading rank 0 alone")
+                return self
+        joined = join(parts)
+        problems = [f"rank {r}: {p}" for r, part in enumerate(parts) for p in part.problems]
+        trace = Trace(self.path, joined.run, joined.records, list(self.gaps), problems)
+        trace.ranks, trace.disagreements, trace._by_key = tuple(parts), joined.disagreements, joined.by_key
         return trace
 
     def _read_steps(self, f: BinaryIO, steps_path: Path, strict: bool) -> None:
@@ -248,8 +281,12 @@ class Trace:
         stores them: then the stored ones are returned, as in format 2. A format-4 file that
         marks its ``key``/``value`` as equal to ``kv_written`` (``kv_inputs_written``) gets them
         back from it; one that keeps only some query rows has ``query_rows``
-        (:mod:`tracer.format.rows`).
+        (:mod:`tracer.format.rows`). A tensor-parallel trace joins its ranks' tensors
+        (:func:`tracer.format.ranks.join_tensors`).
         """
+        if self.ranks:
+            disagree = any(d.step == record.step and d.layer == record.layer for d in self.disagreements)
+            return join_tensors(self.ranks, self._by_key, record, disagree)
         file = self.tensor_path(record)
         try:
             from safetensors.torch import load_file
@@ -291,8 +328,15 @@ class Trace:
 
         The blocks are those of ``record.block_table`` (sorted ids), as ``kv_blocks`` of
         format 2; a check step's stored blocks are not used. ``TraceError`` for a record
-        without ``kv_log_epoch`` or a block the log does not hold.
+        without ``kv_log_epoch`` or a block the log does not hold. A tensor-parallel trace joins
+        its ranks' blocks over the KV heads.
         """
+        if self.ranks:
+            import torch
+
+            key = (record.step, record.layer)
+            parts = [part.rebuilt_kv(by_key[key]) for part, by_key in zip(self.ranks, self._by_key, strict=True)]
+            return parts[0][0], torch.cat([parts[r][1] for r in kv_ranks(self.ranks)], dim=1)
         return self.write_log.rebuild(record)
 
     def source(self, vllm_path: str) -> str | None:

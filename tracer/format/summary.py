@@ -75,6 +75,10 @@ class TraceSummary:
     steps_by_graph: dict[str, int] = dataclasses.field(default_factory=dict)
     write_log_records: int = 0  #: records whose tensors are a KV write log (format 3)
     check_records: int = 0  #: of those, check steps that also keep their blocks whole
+    #: tensor-parallel ranks (``TensorParallel.to_json()`` each, with ``directory`` and ``records``): every
+    #: rank of a joined trace, or the one rank a rank's own directory holds; empty for a single rank
+    ranks: tuple[dict[str, Any], ...] = ()
+    disagreements: tuple[str, ...] = ()  #: where a rank's part differs from rank 0's (``Trace.disagreements``)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types only."""
@@ -100,6 +104,8 @@ class TraceSummary:
             "steps_by_graph": self.steps_by_graph,
             "write_log_records": self.write_log_records,
             "check_records": self.check_records,
+            "ranks": list(self.ranks),
+            "disagreements": list(self.disagreements),
         }
 
 
@@ -158,7 +164,21 @@ def summarize(trace: Trace) -> TraceSummary:
         steps_by_graph={mode: len(steps) for mode, steps in sorted(graphs.items(), key=lambda kv: -len(kv[1]))},
         write_log_records=sum(r.kv_log_epoch is not None for r in trace.records),
         check_records=sum(r.kv_log_epoch is not None and "kv_blocks" in r.tensor_names for r in trace.records),
+        ranks=_ranks(trace),
+        disagreements=tuple(str(d) for d in trace.disagreements),
     )
+
+
+def _ranks(trace: Trace) -> tuple[dict[str, Any], ...]:
+    parts = trace.ranks or (trace,)
+    out = []
+    for part in parts:
+        tp = part.run.tensor_parallel
+        if tp is None or tp.world_size == 1:
+            return ()
+        directory = part.path.relative_to(trace.path).as_posix() if trace.ranks else "."
+        out.append({**tp.to_json(), "directory": directory, "records": len(part.records)})
+    return tuple(out)
 
 
 def _session(trace: Trace) -> dict[str, Any] | None:

@@ -18,6 +18,8 @@ __version__ = "0.3.0"
 #: 3: ``cudagraph``, ``padded_tokens``; tensors are a KV write log (``tracer.format.writelog``) (0.3)
 #: 4: optional tensors ``query_rows`` (the query rows kept) and ``kv_inputs_written`` (key/value = kv_written) (0.3)
 #: 5: manifest ``kv_cache_groups`` (``KVCacheGroup``) and ``null_block``; ``StepRecord.kv_cache_group`` (0.3)
+#:   and manifest ``tensor_parallel`` (rank, world size, head ranges); rank N > 0 writes ``rank<N>/``,
+#:   read as one trace with rank 0's (``tracer.format.ranks``)
 FORMAT_VERSION = 5
 
 #: Format versions this pagedtrace reads.
