@@ -133,22 +133,28 @@ def run(args: argparse.Namespace, console: Console) -> int:
     """Write the directory (converting a real model first, with a progress bar) and print the recipe."""
     from pagedtrace.terminal import make_console
 
-    with Progress(
+    bar = Progress(
         TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=make_console(stderr=True),
-    ) as bar:
-        tasks: dict[str, TaskID] = {}
+    )
+    tasks: dict[str, TaskID] = {}
 
-        def on_event(event: str, what: str, value) -> None:
-            if event == "start":
-                tasks[what] = bar.add_task(what, total=value)
-            elif event == "advance" and what in tasks:
-                bar.advance(tasks[what], value)
+    def on_event(event: str, what: str, value) -> None:
+        if event == "start":
+            if not tasks:
+                bar.start()  # only a conversion shows a bar: a plain preset prints nothing on stderr
+            tasks[what] = bar.add_task(what, total=value)
+        elif event == "advance" and what in tasks:
+            bar.advance(tasks[what], value)
 
+    try:
         config = write_preset(args.name, args.dir, force=args.force, progress=on_event)
+    finally:
+        if tasks:
+            bar.stop()
     console.print(literal(f"wrote {config} ({args.name})"), soft_wrap=True, highlight=False)
     console.print(literal("serve it traced (then send the request from another shell; Ctrl-C ends the trace):"))
     for line in serve_recipe(args.name, args.dir):
