@@ -125,6 +125,8 @@ class Steps:
         self._step_tensors: dict[str, dict[str, Any]] = {}
         self._graph_copies = GRAPH_COPIES  # tensors the captured full graphs copy out on every replay
         self.stats: dict[str, Any] = {"records": 0, "gaps": 0, "tensor_files": 0, "ring_waits": 0}
+        #: why request steps of a tensor trace carry no tensors (the manifest's ``extra.tracer``), once known
+        self.tensors_absent: str | None = None
 
     def drain(self) -> None:
         """Wait until every step so far is on disk (tests, and readers of a live trace)."""

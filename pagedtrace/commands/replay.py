@@ -173,7 +173,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     # A metadata-only trace skips every record: the summary says so once.
     for skipped in report.skipped if report.steps else ():
         console.print(literal(f"skipped: {skipped}", "dim"))
-    console.print(_summary(report))
+    from tracer.format.summary import tensors_absent
+
+    console.print(_summary(report, tensors_absent(trace.run)))
     if saved:
         console.print(literal(f"verdicts written to {trace.path / 'replay.json'}", "dim"))
     return 0 if report.ok else 1
@@ -350,12 +352,13 @@ def _records_text(records) -> str:
     return f"{len(records)} records: {steps} steps, {layers} layers"
 
 
-def _summary(report) -> str:
+def _summary(report, why: str = "") -> str:
     n = len(report.steps)
     if not n:
         state = "[bold green]metadata ok[/]" if report.ok else "[bold red]MISMATCH[/]"
+        because = f" ({escape(why)})" if why else ""
         return (
-            f"{state}: tensors were not captured, so attention was not replayed; "
+            f"{state}: tensors were not captured{because}, so attention was not replayed; "
             f"{_metadata_summary(report)}; {report.seconds:.2f} s"
         )
     worst = max(report.steps, key=lambda r: r.max_abs / r.tol if r.tol > 0 else math.inf)

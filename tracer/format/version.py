@@ -17,7 +17,8 @@ __version__ = "0.3.0"
 #: 2: fp8 ``q/k/v_scale`` and ``query_dtype``; every field required; ``replay.json`` versioned (0.2)
 #: 3: ``cudagraph``, ``padded_tokens``; tensors are a KV write log (``tracer.format.writelog``) (0.3)
 #: 4: optional tensors ``query_rows`` (the query rows kept) and ``kv_inputs_written`` (key/value = kv_written) (0.3)
-FORMAT_VERSION = 4
+#: 5: FlashInfer's ``paged_kv_indptr`` / ``paged_kv_indices`` / ``paged_kv_last_page_len`` (0.3)
+FORMAT_VERSION = 5
 
 #: Format versions this pagedtrace reads.
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
