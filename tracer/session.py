@@ -24,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tracer.backends import check_backend
 from tracer.format import check_steps, first_line, layer_index, parse_layers
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS
 
@@ -98,6 +99,8 @@ class SessionConfig:
     prefix_caching: bool = True  #: vLLM's ``enable_prefix_caching`` (``--no-prefix-caching`` turns it off)
     kv_check_every: int = 0  #: every N-th tensor step also stores whole blocks (checks the write log)
     query_rows: int = 0  #: keep the query/output of at most this many rows a step (0: all)
+    #: vLLM's attention backend by name (``attention_config={"backend": ...}``); None: vLLM's choice
+    attention_backend: str | None = None
 
 
 @dataclass
@@ -122,6 +125,11 @@ class SessionResult:
 def make_prompts(cfg: SessionConfig, vocab_size: int) -> list[list[int]]:
     """Seeded token-id prompts: a shared prefix, then a random suffix of each length."""
     rng = random.Random(cfg.seed)
+    if cfg.attention_backend is not None:
+        try:
+            check_backend(cfg.attention_backend)
+        except ValueError as exc:
+            raise ValueError(f"--attention-backend: {exc}") from None
     lo, hi = cfg.prompt_len
     if lo < 1 or hi < lo:
         raise ValueError(f"prompt length range {lo}:{hi} is empty")
@@ -203,6 +211,11 @@ def validate_config(cfg: SessionConfig) -> None:
     ):
         if value < least:
             raise ValueError(f"{flag} must be {'positive' if least else '0 or more'}, got {value}")
+    if cfg.attention_backend is not None:
+        try:
+            check_backend(cfg.attention_backend)
+        except ValueError as exc:
+            raise ValueError(f"--attention-backend: {exc}") from None
     lo, hi = cfg.prompt_len
     if lo < 1 or hi < lo:
         raise ValueError(f"--prompt-len {lo}:{hi}: need 1 <= LO <= HI")
@@ -354,6 +367,7 @@ def run_session(
                 budget_mb=cfg.budget_mb,
                 kv_check_every=cfg.kv_check_every,
                 query_rows=cfg.query_rows,
+                attention_backend=cfg.attention_backend,
             )
         notify("phase", "engine", None)
         t0 = time.perf_counter()
@@ -374,8 +388,13 @@ def run_session(
         )
         if cfg.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = cfg.kv_cache_dtype
+        attention: dict[str, Any] = {}
         if cfg.flash_attn_version is not None:
-            kwargs["attention_config"] = {"flash_attn_version": cfg.flash_attn_version}
+            attention["flash_attn_version"] = cfg.flash_attn_version
+        if cfg.attention_backend is not None:
+            attention["backend"] = check_backend(cfg.attention_backend)
+        if attention:
+            kwargs["attention_config"] = attention
         if cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
             # vLLM refuses a token budget below max_num_seqs (256 by default).
