@@ -63,7 +63,7 @@ GEMMA = "--model gemma-2-9b"
 LLAMA = "--model llama-3.1-8b"
 DEFAULT_MODE = "--cudagraph-mode FULL_AND_PIECEWISE"  # vLLM's own default on a GPU
 #: The attention-backend fixtures: a short session, tensors of layer 0 (one prefill, a few decodes).
-BACKEND_SHORT = "--prompts 3 --shared-prefix 32 --prompt-len 8:24 --max-tokens 5 --layers 0 --budget-mb 4"
+BACKEND_SHORT = "--prompts 3 --shared-prefix 32 --prompt-len 8:24 --max-tokens 5 --layers 0 --budget-mb 3"
 
 #: Fixture directory name -> how it is made. FlashAttention 3 (vLLM's choice on Hopper) unless
 #: ``--flash-attn-version``; eager unless ``--cudagraph-mode``; tensors unless ``--no-tensors``.
