@@ -39,7 +39,19 @@ from rich.text import Text
 from pagedtrace.terminal import make_console
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ("run", "replay", "annotate", "report", "diff", "show", "step", "attention", "export", "preset")
+COMMANDS = (
+    "run",
+    "replay",
+    "backends",
+    "annotate",
+    "report",
+    "diff",
+    "show",
+    "step",
+    "attention",
+    "export",
+    "preset",
+)
 
 #: The exit codes of every command (README "The commands" and ``--help`` show this table).
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 3, 130, 141

@@ -100,8 +100,10 @@ def build_trace_summary_table(s: TraceSummary) -> Table:
     tensors = (
         f"{s.records_with_tensors} of {s.num_records} records"
         if s.records_with_tensors
-        else "not captured (metadata only)"
+        else f"not captured: {s.tensors_absent or 'no request step recorded'}"
     )
+    if s.records_with_tensors and s.tensors_absent:
+        tensors += f"; the others: {s.tensors_absent}"
     if s.write_log_records:
         tensors += f" as a KV write log ({s.check_records} check steps keep their blocks whole)"
     row("tensors", tensors)

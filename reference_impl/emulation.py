@@ -61,8 +61,11 @@ __all__ = [
     "EMULATION_DESCRIPTION",
     "EMULATION_NAME",
     "FLASH",
+    "FLASHINFER",
+    "FLEX",
     "FP8_MAX_OFFSET",
     "FP8_QUERY_DTYPES",
+    "TRITON",
     "Emulation",
     "dequantize_query",
     "emulate_flash_attention",
@@ -91,12 +94,14 @@ class Emulation:
     values) in fp32, unrounded; False: as FlashAttention, P rounded to the P·V operand dtype.
     ``output_rounding``: how the fp32 output becomes bf16, ``nearest`` (even) or
     ``toward_zero`` (the low 16 bits dropped). Other output dtypes round to nearest.
+    ``fast_tanh``: a soft-cap's tanh to 11 significant bits (``tanh.approx.f32``); False: fp32.
     """
 
     name: str  #: as ``replay.json``'s ``tolerance.emulation`` records it
     description: str  #: what it rounds, in one line
     fp32_probabilities: bool = False
     output_rounding: str = "nearest"
+    fast_tanh: bool = True
 
     def __post_init__(self) -> None:
         if self.output_rounding not in ("nearest", "toward_zero"):
@@ -111,14 +116,53 @@ _CPU_VEC = (
     "the output rounded to the activation dtype"
 )
 #: vLLM's CPU ``vec`` / ``vec16`` kernel of the ``_C`` build (AVX512-BF16: round to nearest even).
-CPU_VEC_NEAREST = Emulation("cpu-vec-rounding", _CPU_VEC + " (to nearest even)", fp32_probabilities=True)
+CPU_VEC_NEAREST = Emulation(
+    "cpu-vec-rounding", _CPU_VEC + " (to nearest even)", fp32_probabilities=True, fast_tanh=False
+)
 #: The same kernel of the ``_C_AVX2`` / ``_C_AVX512`` builds: bf16 by dropping the fp32 value's low bits.
 CPU_VEC_TOWARD_ZERO = Emulation(
     "cpu-vec-truncating",
     _CPU_VEC + " (bf16 by truncation, toward zero: vLLM's builds without AVX512-BF16)",
     fp32_probabilities=True,
     output_rounding="toward_zero",
+    fast_tanh=False,
 )
+
+#: vLLM's Triton ``unified_attention`` (``vllm/v1/attention/ops/triton_unified_attention.py``):
+#: ``S = scale * tl.dot(Q, K)`` in fp32, the online softmax in fp32 (``softmax_step``), then
+#: ``tl.dot(P.to(V.dtype), V)``: P rounded to the cache's (activation) dtype before P·V, fp32
+#: accumulation; a soft-cap as ``x * (e^s - e^-s) / (e^s + e^-s)`` in fp32 (``apply_softcap``): no
+#: approximate tanh. The 3D (split-KV) form keeps its segments in fp32 and merges them there.
+TRITON = Emulation(
+    "triton-unified-rounding",
+    "vLLM's Triton unified attention: S = QK^T and the online softmax in fp32, P rounded to the V "
+    "dtype before P.V (tl.dot(P.to(V.dtype), V)), fp32 accumulation, a soft-cap in fp32 exp, "
+    "output rounded to the activation dtype",
+    fast_tanh=False,
+)
+
+#: ``torch.compile``'d ``flex_attention`` (inductor's Triton template, ``flex/templates/common.py.jinja``):
+#: scores in fp32 (the scale a ``score_mod``), ``exp2`` of ``(s - m) * log2(e)`` in fp32, then
+#: ``tl.dot(p.to(MATMUL_PRECISION), v)`` with ``MATMUL_PRECISION`` the query's dtype: P rounded to
+#: bf16/fp16 before P·V, fp32 accumulation. vLLM's Flex backend takes no soft-cap.
+FLEX = Emulation(
+    "flex-attention-rounding",
+    "torch.compile'd flex_attention (inductor's Triton template): scores, exp2 softmax and row sum in fp32, "
+    "P rounded to the query dtype before P.V, fp32 accumulation, output rounded to the activation dtype",
+)
+
+#: FlashInfer's prefill / decode kernels (``include/flashinfer/attention/``): fp32 scores and online
+#: softmax (``exp2`` with the scale folded in), P rounded to the bf16/fp16 operand dtype before P·V
+#: (the tensor cores' MMA), fp32 accumulation; the soft-cap's tanh is ``tanh.approx.f32``.
+FLASHINFER = Emulation(
+    "flashinfer-rounding",
+    "FlashInfer's paged kernels: S = QK^T and the online softmax in fp32, soft-cap tanh to 11 bits (tanh.approx.f32), "
+    "P rounded to bf16/fp16 before P.V, fp32 accumulation, output rounded to the activation dtype",
+)
+
+#: The ``AttentionImpl`` class (``RunInfo.attention_backend``'s last part) -> its kernel's emulation,
+#: for the CUDA backends that do not round as FlashAttention does in name.
+_BY_IMPL = {"TritonAttentionImpl": TRITON, "FlexAttentionImpl": FLEX, "FlashInferImpl": FLASHINFER}
 
 
 def emulation_of(run: Any) -> Emulation:
@@ -126,8 +170,13 @@ def emulation_of(run: Any) -> Emulation:
 
     vLLM's CPU backend with the ``vec`` / ``vec16`` kernel and a known bf16 conversion
     (``extra["cpu_attention"]``, recorded since pagedtrace 0.3's format 4) gets the CPU model;
-    everything else, and traces that do not say, FlashAttention's.
+    Triton's unified attention, Flex and FlashInfer (by ``run.attention_backend``) get their own
+    (:data:`TRITON`, :data:`FLEX`, :data:`FLASHINFER`); everything else, and traces that do not
+    say, FlashAttention's.
     """
+    impl = str(getattr(run, "attention_backend", "") or "").rsplit(".", 1)[-1]
+    if impl in _BY_IMPL:
+        return _BY_IMPL[impl]
     extra = getattr(run, "extra", None) or {}
     info = extra.get("cpu_attention") if isinstance(extra, dict) else None
     if not isinstance(info, dict) or info.get("isa") not in ("vec", "vec16"):
@@ -285,7 +334,7 @@ def emulate_flash_attention(
             s = torch.einsum("thgd,nhd->hgtn", q, k)  # fp32 sums, [h, g, t, n]
             if softcap > 0:
                 t = torch.tanh(s * (score_scale / softcap))
-                s = softcap * (t if emulation.fp32_probabilities else _round_to(t, _TANH_DTYPE))
+                s = softcap * (_round_to(t, _TANH_DTYPE) if emulation.fast_tanh else t)
             else:
                 s = s * score_scale
             if alibi_slopes is not None:

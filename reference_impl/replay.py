@@ -65,6 +65,7 @@ from tracer.format import (
 )
 from tracer.format.layouts import LAYOUT_CPU_AMX
 from tracer.format.metadata import check_records
+from tracer.format.summary import tensors_absent
 from tracer.format.writelog import NotInWriteLog
 
 __all__ = [
@@ -259,7 +260,7 @@ def replay_trace(
         )
     with_tensors = [r for r in selected if r.tensors is not None]
     skipped = tuple(
-        f"step {r.step} {r.layer}: no tensors (tensor budget spent or not a request step)"
+        f"step {r.step} {r.layer}: no tensors ({tensors_absent(trace.run, r.kind)})"
         for r in selected
         if r.tensors is None
     )

@@ -12,6 +12,7 @@ from reports.common import Row, Verdict, first_records, range_text, source_file_
 from reports.layout_view import LayoutView, layout_view
 from reports.verdicts import ReplayData, step_verdict
 from tracer.format import GapRecord, KVCacheSpec, StepRecord, Trace
+from tracer.format.summary import tensors_absent
 
 
 @dataclass(frozen=True)
@@ -388,7 +389,7 @@ def index_page(trace: Trace, replay: ReplayData, located: dict[str, LocatedSourc
     model = run.model.name if run.model else "unknown model"
     overall = replay.overall
     if not replay.present and not any(r.tensors for r in trace.records):
-        overall = Verdict("none", "not replayable: recorded without tensors")
+        overall = Verdict("none", f"not replayable: tensors not captured ({tensors_absent(run)})")
     problems = tuple(trace.problems) + ((replay.problem,) if replay.problem else ())
     recorded = [row for row in rows if row.recorded]
     without = sum(1 for row in recorded if not row.href)

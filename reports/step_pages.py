@@ -22,6 +22,7 @@ from reports.verdicts import (
 )
 from tracer.format import MetadataCheck, RunInfo, StepRecord, StepResult
 from tracer.format.groups import TraceGroups, group_label
+from tracer.format.summary import tensors_absent
 from tracer.format.words import Words, snippet, visible
 
 #: Step pages are written for the first this-many request steps (``build_report``'s
@@ -392,7 +393,9 @@ def step_view(
         prev=Link(step_page(prev), f"step {prev}") if prev is not None else None,
         next=Link(step_page(next_), f"step {next_}") if next_ is not None else None,
         nav=nav,
-        replay_note=NO_TENSORS_NOTE if record.tensors is None else "Not replayed (run pagedtrace replay on the trace).",
+        replay_note=no_tensors_note(run, record.kind)
+        if record.tensors is None
+        else "Not replayed (run pagedtrace replay on the trace).",
         metadata=metadata_rows(metadata),
         metadata_verdict=metadata_verdict(metadata),
         metadata_source=metadata_source,
@@ -405,8 +408,9 @@ def step_view(
     )
 
 
-#: Why a step without captured tensors has no replay verdict.
-NO_TENSORS_NOTE = (
-    "Not replayable: no tensors were captured for this step (the trace was recorded with --no-tensors, "
-    "or the tensor budget was used up), so there is nothing to recompute attention from."
-)
+def no_tensors_note(run: RunInfo, kind: str) -> str:
+    """Why a step without captured tensors has no replay verdict (``tracer.format.summary.tensors_absent``)."""
+    return (
+        f"Not replayable: no tensors were captured for this step ({tensors_absent(run, kind)}), "
+        "so there is nothing to recompute attention from."
+    )

@@ -51,6 +51,7 @@ class Fixture:
     args: str  #: after :data:`COMMON`
     keep_sources: bool = False  #: keep ``sources/`` (a few fixtures hold the vLLM sources; the rest drop them)
     keep_layers: tuple[str, ...] = ()  #: the records of these layers only (empty: every layer traced)
+    env: tuple[tuple[str, str], ...] = ()  #: environment variables of the run (e.g. ``VLLM_KV_CACHE_LAYOUT``)
 
     def argv(self) -> list[str]:
         """``pagedtrace run``'s arguments, ``-o`` left out."""
@@ -61,6 +62,8 @@ QWEN = "--model qwen2.5-7b-instruct"
 GEMMA = "--model gemma-2-9b"
 LLAMA = "--model llama-3.1-8b"
 DEFAULT_MODE = "--cudagraph-mode FULL_AND_PIECEWISE"  # vLLM's own default on a GPU
+#: The attention-backend fixtures: a short session, tensors of layer 0 (one prefill, a few decodes).
+BACKEND_SHORT = "--prompts 3 --shared-prefix 32 --prompt-len 8:24 --max-tokens 5 --layers 0 --budget-mb 3"
 
 #: Fixture directory name -> how it is made. FlashAttention 3 (vLLM's choice on Hopper) unless
 #: ``--flash-attn-version``; ``--eager`` or a ``--cudagraph-mode``; tensors unless ``--no-tensors``.
@@ -143,6 +146,23 @@ FIXTURES: dict[str, Fixture] = {
         f" --query-rows 4 --kv-check-every 2 --budget-mb 12 {DEFAULT_MODE}",
         keep_sources=True,
     ),
+    "h200-qwen2.5-7b-triton-default": Fixture(
+        "TRITON_ATTN in the default graph mode, tensors of layer 0 (decode steps copied inside full graphs)",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend TRITON_ATTN {DEFAULT_MODE}",
+    ),
+    "h200-qwen2.5-7b-flex-eager": Fixture(
+        "FLEX_ATTENTION eager, tensors of layer 0",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend FLEX_ATTENTION",
+    ),
+    "h200-qwen2.5-7b-flashinfer-eager": Fixture(
+        "FLASHINFER eager, tensors of layer 0 and FlashInfer's paged_kv_indptr / indices / last_page_len",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend FLASHINFER",
+    ),
+    "h200-qwen2.5-7b-hnd-eager": Fixture(
+        "FlashAttention with the HND cache layout (VLLM_KV_CACHE_LAYOUT=HND), eager, tensors of layer 0",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend FLASH_ATTN",
+        env=(("VLLM_KV_CACHE_LAYOUT", "HND"),),
+    ),
 }
 
 
@@ -184,10 +204,12 @@ def make(name: str, work: Path, out: Path, env: dict[str, str], timeout: float, 
     rc: int | str
     with open(run_log, "w") as f:
         try:
-            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+            run_env = {**env, **dict(fixture.env)}
+            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=run_env, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = f"timed out after {timeout:.0f} s"
-    log(f"== {name}: exit {rc} in {time.monotonic() - start:.0f} s: {shlex.join(fixture.argv())}")
+    env_text = " ".join(f"{k}={v}" for k, v in fixture.env)
+    log(f"== {name}: exit {rc} in {time.monotonic() - start:.0f} s: {env_text} {shlex.join(fixture.argv())}".strip())
     text = run_log.read_text(errors="replace")
     log("\n".join(line for line in text.splitlines() if "Traceback" in line or "Error" in line)[:2000])
     if rc != 0:

@@ -29,8 +29,17 @@ def _load():
     return module
 
 
-#: The fixture names, for parametrize.
-NAMES = sorted(_load().FIXTURES)
+#: The attention-backend fixtures ``scripts/device/backends.sh`` makes on the H200; until a device run
+#: brings them, the table names them and the repository does not have them.
+DEVICE_PENDING = {
+    "h200-qwen2.5-7b-triton-default",
+    "h200-qwen2.5-7b-flex-eager",
+    "h200-qwen2.5-7b-flashinfer-eager",
+    "h200-qwen2.5-7b-hnd-eager",
+}
+
+#: The committed fixture names of the table, for parametrize.
+NAMES = sorted(n for n in _load().FIXTURES if (FIXTURES / n / "session.json").is_file())
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +61,9 @@ def _as_config(args: argparse.Namespace) -> dict:
 
 
 def test_the_table_names_every_committed_gpu_fixture(maker):
-    committed = sorted(p.name for p in FIXTURES.iterdir() if (p / "session.json").is_file())
-    assert sorted(maker.FIXTURES) == committed
+    committed = {p.name for p in FIXTURES.iterdir() if (p / "session.json").is_file()}
+    assert committed <= set(maker.FIXTURES)
+    assert set(maker.FIXTURES) - committed <= DEVICE_PENDING
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -536,7 +536,7 @@ def test_report_of_the_h200_fa3_traces(variant, tmp_path):
         assert "cuda-graph-replay" not in index
     # Without tensors there is nothing to replay; the pages say so instead of suggesting a replay.
     if variant != "eager":
-        assert "not replayable: recorded without tensors" in index
+        assert "not replayable: tensors not captured (recorded with --no-tensors)" in index
         step = next(out.glob("step-*.html")).read_text()
         assert "Not replayable: no tensors were captured" in step
 

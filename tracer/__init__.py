@@ -37,6 +37,7 @@ def start(
     budget_mb=256.0,
     kv_check_every=0,
     query_rows=0,
+    attention_backend=None,
     export_env=True,
 ):
     """Install the tracer in this process (and, via env, in vLLM's child processes).
@@ -45,7 +46,10 @@ def start(
     blocks whole, to check the KV write log's rebuild against (0: never). ``query_rows``: with
     ``tensors``, store the query and output of at most this many rows a step (0: all), chosen by
     ``tracer.format.rows.sample_rows``; the KV write log stays whole, so replay judges each kept
-    row over its full context.
+    row over its full context. ``attention_backend``: the backend the engine is to run, vLLM's
+    name (``FLASH_ATTN``, ``TRITON_ATTN``, ``FLEX_ATTENTION``, ``FLASHINFER``, ``CPU_ATTN``; pass
+    the same to ``LLM(attention_backend=...)``): another name is a ``ValueError`` of one line
+    listing these, and an engine that runs another backend is named in one line.
     """
     from tracer.install import Tracer
     from tracer.options import TracerOptions
@@ -58,6 +62,7 @@ def start(
         budget_bytes=int(budget_mb * 2**20),
         kv_check_every=kv_check_every,
         query_rows=query_rows,
+        attention_backend=attention_backend,
     )
     return Tracer(options).start(export_env=export_env)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from tracer.backends import backend_name, not_captured_line
 from tracer.engine_state import capturing, is_warmup_batch
 from tracer.format import first_line, layer_index
 from tracer.host_copies import layer_fields, queue_host_copies, step_fields, tensor_clones
@@ -302,9 +303,20 @@ class Capture(Steps):
                     kv_in = {"slot_mapping": md.slot_mapping[:num_tokens]}
                     kv_in.update({k: staged[k][:num_tokens].clone() for k in ("key", "value") if k in staged})
                     tensors = tensor_clones(static, staged["query"], md, staged["output"], kv_in, num_tokens, num_reqs)
+            if tensors is None and self.options.tensors and self.tensors_absent is None and name not in self._fwd_md:
+                self._tensors_absent_why(static)
             self._capture(static, md, num_reqs, num_tokens, req_ids, cudagraph, padded, tensors=tensors)
         if full_tensors:
             self._warn_once(FULL_GRAPH_TENSORS)
+            self.tensors_absent = self.tensors_absent or FULL_GRAPH_TENSORS.removeprefix("pagedtrace: ")
+
+    def _tensors_absent_why(self, static: LayerStatic) -> None:
+        """A request step of a tensor trace came without tensors: say once why, when it is the backend's."""
+        impl = type(static.impl)
+        if backend_name(impl.__qualname__) is None and self._wants_tensors():
+            line = not_captured_line(f"{impl.__module__}.{impl.__qualname__}")
+            self._warn_once(line)
+            self.tensors_absent = line.removeprefix("pagedtrace: ")
 
     def _wanted_of(self, md_by_layer: dict[str, Any]) -> list[str]:
         """The layers of a request step's metadata to record (the step is in range), in its order.

@@ -396,8 +396,12 @@ def step_fields(md: Any, num_tokens: int, cudagraph: str, padded: int | None) ->
         "padded_tokens": padded if padded is not None else num_tokens,
     }
     window = getattr(md, "sliding_window", None)
-    if window is not None:
+    if window is not None and not isinstance(window, int):  # Flex's metadata keeps the impl's int
         fields["sliding_window"] = tuple(int(w) for w in window)
+    paged_kv = getattr(md, "paged_kv", None)  # FlashInfer's page table (``tracer.wrappers.flashinfer_build``)
+    if paged_kv is not None:
+        fields["paged_kv_indptr"] = paged_kv["paged_kv_indptr"]
+        fields["paged_kv_last_page_len"] = paged_kv["paged_kv_last_page_len"]
     return fields
 
 
@@ -426,4 +430,7 @@ def tensor_clones(
     for k in ("key", "value"):
         if k in kv_in:
             tensors[k] = kv_in[k]
+    paged_kv = getattr(md, "paged_kv", None)
+    if paged_kv is not None and "paged_kv_indices" in paged_kv:  # FlashInfer's pages: the record's field
+        tensors["paged_kv_indices"] = paged_kv["paged_kv_indices"]
     return tensors

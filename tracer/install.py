@@ -2,9 +2,11 @@
 
 ``start`` patches, when importable, with the wrappers of ``tracer.wrappers``:
 
-* ``vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward`` / ``.do_kv_cache_update``
-* ``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` / ``.do_kv_cache_update``
-  (``do_kv_cache_update`` only for a tensor trace)
+* the ``AttentionImpl`` of every backend of ``tracer.backends`` (FlashAttention, Triton, Flex,
+  FlashInfer, CPU): ``forward`` / ``do_kv_cache_update`` (``do_kv_cache_update`` only for a
+  tensor trace)
+* ``FlashInferMetadataBuilder.build``, whose metadata then keeps the step's block table, sequence
+  lengths and query starts beside FlashInfer's own ``paged_kv_*`` (``tracer.wrappers.flashinfer_build``)
 * the V1 and V2 ``GPUModelRunner`` (``CPUModelRunner`` inherits V1): ``execute_model``,
   ``_dummy_run``, ``profile_run``, ``capture_model``, ``prepare_inputs`` to number steps and
   tell profile / warm-up / request steps apart; the runner modules' ``set_forward_context``
@@ -29,6 +31,7 @@ import threading
 from typing import Any
 
 from tracer import wrappers
+from tracer.backends import BACKEND_IMPLS, FLASHINFER_BUILDER
 from tracer.capture import Capture
 from tracer.engine_state import capturing, cuda_available
 from tracer.handover import InlineWriter, WriterThread
@@ -47,10 +50,8 @@ __all__ = [
     "active",
 ]
 
-BACKEND_TARGETS = (
-    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
-    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl"),
-)
+#: Every backend of ``tracer.backends.BACKEND_IMPLS``: (module, ``AttentionImpl`` class).
+BACKEND_TARGETS = tuple(BACKEND_IMPLS.values())
 RUNNER_TARGETS = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
@@ -170,6 +171,8 @@ class Tracer(Capture):
                         }
                     self._handover = None
                 looks["ring_waits"] = self._pool.waits
+                if self.tensors_absent is not None:
+                    looks["tensors_absent"] = self.tensors_absent
                 self._record_writer.finish(looks)
                 self.stats.update(self._record_writer.stats, **looks)
             finally:
@@ -207,6 +210,9 @@ class Tracer(Capture):
             self._patch(cls, "forward", functools.partial(wrappers.forward, self))
             if self.options.tensors:  # only tensor traces need what the cache write sees
                 self._patch(cls, "do_kv_cache_update", functools.partial(wrappers.kv_update, self))
+        builder = import_attr(*FLASHINFER_BUILDER)
+        if builder is not None:
+            self._patch(builder, "build", functools.partial(wrappers.flashinfer_build, self))
         for module_name, cls_name in RUNNER_TARGETS:
             cls = import_attr(module_name, cls_name)
             if cls is None:

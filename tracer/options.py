@@ -12,9 +12,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from tracer.backends import check_backend
 from tracer.format import parse_layers, parse_steps
 
 __all__ = [
+    "ENV_ATTENTION_BACKEND",
     "ENV_BUDGET",
     "ENV_DIR",
     "ENV_KV_CHECK",
@@ -35,6 +37,7 @@ ENV_TENSORS = "PAGEDTRACE_TENSORS"
 ENV_BUDGET = "PAGEDTRACE_BUDGET_MB"
 ENV_KV_CHECK = "PAGEDTRACE_KV_CHECK_EVERY"
 ENV_QUERY_ROWS = "PAGEDTRACE_QUERY_ROWS"
+ENV_ATTENTION_BACKEND = "PAGEDTRACE_ATTENTION_BACKEND"
 
 #: Set by ``pagedtrace run`` (``tracer.session``) for the manifest's ``ModelSummary``: the
 #: preset or model the user named, and how its weights were made.
@@ -54,6 +57,8 @@ class TracerOptions:
     whole, so the write log's rebuild can be checked against them bit for bit (0: never).
     ``query_rows``: with ``tensors``, keep the query and output of at most this many rows a
     step (``tracer.format.rows.sample_rows``; 0: every row). The write log stays whole.
+    ``attention_backend``: the backend the engine is meant to run (vLLM's name, one of
+    ``tracer.backends.TENSOR_BACKENDS``); the tracer says in one line when it runs another.
     """
 
     directory: str
@@ -63,12 +68,15 @@ class TracerOptions:
     budget_bytes: int = 256 * 2**20
     kv_check_every: int = 0
     query_rows: int = 0
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_check_every", "query_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.attention_backend is not None:
+            object.__setattr__(self, "attention_backend", check_backend(self.attention_backend))
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> TracerOptions | None:
@@ -85,6 +93,7 @@ class TracerOptions:
             budget_bytes=int(float(env.get(ENV_BUDGET, "256")) * 2**20),
             kv_check_every=_count(env, ENV_KV_CHECK),
             query_rows=_count(env, ENV_QUERY_ROWS),
+            attention_backend=env.get(ENV_ATTENTION_BACKEND) or None,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -99,6 +108,7 @@ class TracerOptions:
             ENV_BUDGET: str(self.budget_bytes / 2**20),
             ENV_KV_CHECK: str(self.kv_check_every),
             ENV_QUERY_ROWS: str(self.query_rows),
+            ENV_ATTENTION_BACKEND: self.attention_backend or "",
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -105,9 +105,22 @@ class RecordWriter:
             record = make_record(self.record_fields(item), host_lists(item.host), item.static.block_size)
             tensors = None
             if item.tensors is not None:  # an unlogged write before it came with item.reset (hooks._end_pass)
+                pages = item.tensors.get("paged_kv_indices")
+                if pages is not None:  # FlashInfer's page indices: a record field, read on the writer's thread
+                    record = replace(record, paged_kv_indices=self._ints(pages))
                 record, tensors = self.log_tensors(item, record)
             self.write(record, tensors, item)
             self.stats["records"] += 1
+
+    def _ints(self, tensor: Any) -> tuple[int, ...]:
+        """A small device tensor's values, read through the writer's own stream (never the engine's)."""
+        stream = self.side_stream() if cuda_available() and tensor.is_cuda else None
+        if stream is None:
+            return tuple(tensor.tolist())
+        import torch
+
+        with torch.cuda.stream(stream):
+            return tuple(tensor.cpu().tolist())
 
     def send_records(self) -> None:
         """Send what :meth:`send_slot` queued to the record writer process, in one message (after each hand-over)."""
@@ -364,6 +377,8 @@ class RecordWriter:
         self._writer.close()
         if self._run_info is not None and not self.failed:
             stats = {**self.stats, **(tracer_stats or {})}
+            if self._writer.budget_exhausted:
+                stats["budget_exhausted"] = True
             finished = replace(self._run_info, extra={**self._run_info.extra, "finished": True, "tracer": stats})
             try:
                 self._writer.write_manifest(finished)

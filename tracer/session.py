@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tracer import vllm_rules
+from tracer.backends import check_backend
 from tracer.format import STEPS, check_steps, first_line, layer_index, parse_layers
 from tracer.options import ENV_MODEL_NAME, ENV_WEIGHTS
 from tracer.prompts import dir_has_tokenizer, encode_prompts, load_tokenizer, token_texts
@@ -132,6 +133,8 @@ class SessionConfig:
     #: vLLM's ``tensor_parallel_size``: above 1, vLLM's multiprocess executor runs one worker per
     #: rank and each traces its heads (``rank<N>/`` in the trace directory, :mod:`tracer.format.ranks`)
     tensor_parallel_size: int = 1
+    #: vLLM's attention backend by name (``attention_config={"backend": ...}``); None: vLLM's choice
+    attention_backend: str | None = None
 
 
 @dataclass
@@ -305,6 +308,11 @@ def validate_config(cfg: SessionConfig) -> None:
     ):
         if value < least:
             raise ValueError(f"{flag} must be {'positive' if least else '0 or more'}, got {value}")
+    if cfg.attention_backend is not None:
+        try:
+            check_backend(cfg.attention_backend)
+        except ValueError as exc:
+            raise ValueError(f"--attention-backend: {exc}") from None
     lo, hi = cfg.prompt_len
     if lo < 1 or hi < lo:
         raise ValueError(f"--prompt-len {lo}:{hi}: need 1 <= LO <= HI")
@@ -503,6 +511,7 @@ def run_session(
                 budget_mb=cfg.budget_mb,
                 kv_check_every=cfg.kv_check_every,
                 query_rows=cfg.query_rows,
+                attention_backend=cfg.attention_backend,
             )
         notify("phase", "engine", None)
         t0 = time.perf_counter()
@@ -523,8 +532,13 @@ def run_session(
         )
         if cfg.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = cfg.kv_cache_dtype
+        attention: dict[str, Any] = {}
         if cfg.flash_attn_version is not None:
-            kwargs["attention_config"] = {"flash_attn_version": cfg.flash_attn_version}
+            attention["flash_attn_version"] = cfg.flash_attn_version
+        if cfg.attention_backend is not None:
+            attention["backend"] = check_backend(cfg.attention_backend)
+        if attention:
+            kwargs["attention_config"] = attention
         if cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
             # vLLM refuses a token budget below max_num_seqs (256 by default).

@@ -18,6 +18,7 @@ import logging
 import os
 from typing import Any
 
+from tracer.backends import backend_name
 from tracer.engine_state import capturing, cuda_available, is_warmup_batch
 from tracer.format import GapRecord, layer_matches, step_in_range
 from tracer.graph_copies import SHARED as GRAPH_COPIES
@@ -125,6 +126,8 @@ class Steps:
         self._step_tensors: dict[str, dict[str, Any]] = {}
         self._graph_copies = GRAPH_COPIES  # tensors the captured full graphs copy out on every replay
         self.stats: dict[str, Any] = {"records": 0, "gaps": 0, "tensor_files": 0, "ring_waits": 0}
+        #: why request steps of a tensor trace carry no tensors (the manifest's ``extra.tracer``), once known
+        self.tensors_absent: str | None = None
 
     def drain(self) -> None:
         """Wait until every step so far is on disk (tests, and readers of a live trace)."""
@@ -188,9 +191,21 @@ class Steps:
                 if impl is None or kv_cache is None or not hasattr(kv_cache, "shape") or kv_cache.dim() != 4:
                     return None
             static = self._static[name] = LayerStatic(name, impl, module, kv_cache)
+            self._check_backend(impl)
         elif kv_cache is not None and static.kv_cache is not kv_cache:
             static.set_cache(kv_cache)
         return static
+
+    def _check_backend(self, impl: Any) -> None:
+        """Say once when the engine runs another backend than ``options.attention_backend``."""
+        wanted = self.options.attention_backend
+        cls = type(impl)
+        running = backend_name(cls.__qualname__)
+        if wanted is not None and running != wanted:
+            self._warn_once(
+                f"pagedtrace: attention_backend {wanted} was asked for, but the engine runs "
+                f"{running or cls.__qualname__} (give vLLM attention_backend={wanted!r} too)"
+            )
 
     def _begin_step(self) -> None:
         if self._slot is not None:

@@ -16,7 +16,7 @@ from tracer.engine_state import capturing
 if TYPE_CHECKING:
     from tracer.capture import Capture as Tracer
 
-__all__ = ["dispatch", "forward", "forward_context", "kv_update", "runner"]
+__all__ = ["dispatch", "flashinfer_build", "forward", "forward_context", "kv_update", "runner"]
 
 
 def graph_mode(mode: object) -> str:
@@ -187,6 +187,56 @@ def forward(tracer: Tracer, original):
         return result
 
     return forward
+
+
+def flashinfer_build(tracer: Tracer, original):
+    """``FlashInferMetadataBuilder.build``: the metadata keeps the block table FlashInfer's was made from.
+
+    ``FlashInferMetadata`` holds ``paged_kv_indptr / indices / last_page_len`` (in its wrappers'
+    plans) but no block table: the tracer sets the runner's ``block_table``, ``seq_lens``,
+    ``query_start_loc``, ``max_query_len`` and ``max_seq_len`` on it under vLLM's names (the
+    fields every other backend's metadata has), and ``paged_kv`` (:func:`flashinfer_paged_kv`)
+    where this build computed FlashInfer's own. A few attribute sets a build; no device work
+    but, for a tensor trace, one clone of the step's page indices.
+    """
+
+    @functools.wraps(original)
+    def build(builder, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        md = original(builder, common_prefix_len, common_attn_metadata, *args, **kwargs)
+        try:
+            cm = common_attn_metadata
+            md.block_table = cm.block_table_tensor
+            md.seq_lens = cm.seq_lens
+            md.query_start_loc = cm.query_start_loc
+            md.max_query_len = int(cm.max_query_len)
+            md.max_seq_len = int(cm.max_seq_len)
+            md.paged_kv = flashinfer_paged_kv(builder, md, int(cm.num_reqs), tracer.options.tensors and not capturing())
+        except Exception as exc:  # noqa: BLE001 - an unexpected vLLM object: the step lacks the fields
+            tracer._warn_once(f"pagedtrace: FlashInfer metadata not read ({exc!r}); its steps may lack records")
+        return md
+
+    return build
+
+
+def flashinfer_paged_kv(builder, md, num_reqs: int, clone_indices: bool) -> dict | None:
+    """FlashInfer's page table of this build, when it made one (its native paths and cascade; the
+    TRT-LLM paths read the block table itself): ``paged_kv_indptr`` and ``paged_kv_last_page_len``
+    as ints, read from the builder's host buffers; ``paged_kv_indices`` (a device clone, only with
+    ``clone_indices``) cut at ``indptr[-1]``. None when this build computed none.
+    """
+    native = (md.prefill is not None and type(md.prefill).__name__ == "FIPrefill") or (
+        md.decode is not None and type(md.decode).__name__ == "FIDecode"
+    )
+    if not (native or md.use_cascade) or num_reqs <= 0:
+        return None
+    indptr = tuple(int(x) for x in builder.paged_kv_indptr_cpu_buffer[: num_reqs + 1].tolist())
+    out: dict = {
+        "paged_kv_indptr": indptr,
+        "paged_kv_last_page_len": tuple(int(x) for x in builder.paged_kv_last_page_len.np[:num_reqs].tolist()),
+    }
+    if clone_indices:
+        out["paged_kv_indices"] = builder.paged_kv_indices.gpu[: indptr[-1]].clone()
+    return out
 
 
 def engine_idle(tracer: Tracer, original):

@@ -75,7 +75,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "kernel built on first use; needs g++ and ninja) (default: %(default)s); or "
         "MODULE:FUNCTION (e.g. mypkg.attn:paged_attention, ./attn.py:paged_attention): "
         "check your own kernel, signature as reference_impl.kernel, on every captured "
-        "request step instead of vLLM (replay.json is not written)",
+        "request step instead of vLLM (replay.json is not written); or vllm:BACKEND (vllm:FLASH_ATTN, "
+        "vllm:TRITON_ATTN, vllm:FLEX_ATTENTION, vllm:FLASHINFER, vllm:CPU_ATTN): vLLM's own kernel of that backend",
     )
     p.add_argument(
         "--device",
@@ -177,7 +178,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     # A metadata-only trace skips every record: the summary says so once.
     for skipped in report.skipped if report.steps else ():
         console.print(literal(f"skipped: {skipped}", "dim"))
-    console.print(_summary(report))
+    from tracer.format.summary import tensors_absent
+
+    console.print(_summary(report, tensors_absent(trace.run)))
     if saved:
         console.print(literal(f"verdicts written to {trace.path / 'replay.json'}", "dim"))
     return 0 if report.ok else 1
@@ -402,12 +405,13 @@ def _records_text(records) -> str:
     return f"{len(records)} records: {steps} steps, {layers} layers"
 
 
-def _summary(report) -> str:
+def _summary(report, why: str = "") -> str:
     n = len(report.steps)
     if not n:
         state = "[bold green]metadata ok[/]" if report.ok else "[bold red]MISMATCH[/]"
+        because = f" ({escape(why)})" if why else ""
         return (
-            f"{state}: tensors were not captured, so attention was not replayed; "
+            f"{state}: tensors were not captured{because}, so attention was not replayed; "
             f"{_metadata_summary(report)}; {report.seconds:.2f} s"
         )
     worst = max(report.steps, key=lambda r: r.max_abs / r.tol if r.tol > 0 else math.inf)
@@ -446,7 +450,7 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        fn = load_kernel(args.kernel)
+        fn = vllm_kernel(args.kernel) if args.kernel.startswith(VLLM_PREFIX) else load_kernel(args.kernel)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     with _progress(console, disable=args.json or not console.is_terminal) as progress:
@@ -472,6 +476,17 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
     console.print(build_kernel_table(report))
     console.print(_kernel_summary(report))
     return 0 if report.ok else 1
+
+
+#: ``--kernel vllm:NAME``: vLLM's own kernel of backend NAME (``tracer.vllm_kernels``).
+VLLM_PREFIX = "vllm:"
+
+
+def vllm_kernel(spec: str):
+    """The kernel ``vllm:NAME`` names (``tracer.vllm_kernels.kernel``); ``ValueError`` for an unknown NAME."""
+    from tracer.vllm_kernels import kernel
+
+    return kernel(spec.removeprefix(VLLM_PREFIX))
 
 
 def build_kernel_table(report) -> Table:

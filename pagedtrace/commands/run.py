@@ -165,6 +165,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="FlashAttention version on CUDA (attention_config); default: vLLM's choice (FA3 on Hopper)",
     )
     p.add_argument(
+        "--attention-backend",
+        default=None,
+        metavar="NAME",
+        help="vLLM's attention backend: FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION, FLASHINFER (CUDA) or CPU_ATTN; "
+        "default: vLLM's choice",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
@@ -210,6 +217,7 @@ def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
         prefix_caching=args.prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
         flash_attn_version=args.flash_attn_version,
+        attention_backend=args.attention_backend,
         max_num_batched_tokens=args.max_num_batched_tokens,
         texts=tuple(texts),
         chat=args.chat,

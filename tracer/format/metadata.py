@@ -17,7 +17,12 @@ included. Each compares what vLLM handed attention with what it must be:
     Every block id a row uses (its first ``ceil(seq_len / block_size)`` entries) lies in
     the pool, ``0 < id < num_blocks``. Block 0 is vLLM's null block: it holds no KV, and
     may appear only in dummy runs (warm-up, profile) or where a sliding window has
-    dropped the block (no query of the row reads it).
+    dropped the block (no query of the row reads it). Where the record holds FlashInfer's page
+    table (``paged_kv_indptr`` / ``paged_kv_indices`` / ``paged_kv_last_page_len``, made by
+    ``FlashInferMetadataBuilder`` from the block table), it must be that table: row ``b``'s pages
+    are its ``ceil(seq_len / block_size)`` blocks, in order, and its last page holds
+    ``seq_len - (pages - 1) * block_size`` tokens (a cascade step's pages leave out the shared
+    prefix's: not compared).
 ``shared``
     A block in two rows sits at the same logical index in both, is full in both, and
     (when ``session.json`` records the prompts) both requests hold the same tokens up to
@@ -223,8 +228,42 @@ def _check_blocks(record: StepRecord, spec: KVCacheSpec) -> MetadataCheck:
             else:
                 seen[block] = j
     where = "outside the window: unread" if record.kind == "request" else "a dummy run"
-    note = f"{nulls} null-block entr{'y' if nulls == 1 else 'ies'} ({where})" if nulls else ""
-    return f.done(note)
+    notes = [f"{nulls} null-block entr{'y' if nulls == 1 else 'ies'} ({where})"] if nulls else []
+    if record.paged_kv_indptr is not None:
+        notes.append(_check_pages(record, bs, f))
+    return f.done("; ".join(n for n in notes if n))
+
+
+def _check_pages(record: StepRecord, bs: int, f: _Findings) -> str:
+    """FlashInfer's page table against the block table (see the module docstring); a note."""
+    if record.use_cascade:
+        return "FlashInfer's pages not compared: a cascade step's leave out the shared prefix"
+    indptr, last, indices = record.paged_kv_indptr or (), record.paged_kv_last_page_len, record.paged_kv_indices
+    if indptr[:1] != (0,):
+        f.add(f"paged_kv_indptr starts at {indptr[:1]}, not 0")
+    for r, _first, _q, seq_len in _rows(record):
+        if r + 1 >= len(indptr):
+            break
+        pages = _ceil_div(seq_len, bs)
+        f.checked += 1
+        start, stop = indptr[r], indptr[r + 1]
+        if stop - start != pages:
+            f.add(f"FlashInfer gives {stop - start} page(s) for seq_len {seq_len}: the block table needs {pages}", r)
+            continue
+        if last is not None and pages and last[r] != seq_len - (pages - 1) * bs:
+            f.add(f"paged_kv_last_page_len {last[r]} for seq_len {seq_len}: expected {seq_len - (pages - 1) * bs}", r)
+        if indices is not None:
+            row = tuple(record.block_table[r][:pages]) if r < len(record.block_table) else ()
+            got = tuple(indices[start:stop])
+            if got != row:
+                j = next((i for i, (a, b) in enumerate(zip(got, row, strict=False)) if a != b), min(len(got), len(row)))
+                f.add(
+                    f"paged_kv_indices[{start + j}] = {got[j] if j < len(got) else None}: the block table has "
+                    f"{row[j] if j < len(row) else None} at logical block {j}",
+                    r,
+                    j * bs,
+                )
+    return "FlashInfer's page table checked" + ("" if indices is not None else " (indptr and last pages; no indices)")
 
 
 def _request_tokens(request_id: str, tokens: Tokens | None) -> Sequence[int] | None:

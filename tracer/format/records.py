@@ -335,6 +335,14 @@ class StepRecord(_JsonRecord):
     #: The KV-cache group whose block table and slot mapping this layer reads (``RunInfo.kv_cache_groups``
     #: index); None: not recorded.
     kv_cache_group: int | None = field(default=None, metadata={SINCE: 5})
+    #: FlashInfer's page table of the step, where its metadata builder made one (its native prefill and
+    #: decode wrappers; None on the TRT-LLM paths and other backends): per request, where its pages start
+    #: in ``paged_kv_indices`` (``num_reqs + 1`` entries, from 0) ...
+    paged_kv_indptr: tuple[int, ...] | None = field(default=None, metadata={SINCE: 5})
+    #: ... the physical block ids, request after request (tensor traces only: read on the device) ...
+    paged_kv_indices: tuple[int, ...] | None = field(default=None, metadata={SINCE: 5})
+    #: ... and the tokens each request's last page holds (1 to ``block_size``).
+    paged_kv_last_page_len: tuple[int, ...] | None = field(default=None, metadata={SINCE: 5})
     tensors: str | None = None  #: safetensors file under ``tensors/``, or None when not captured
     tensor_names: tuple[str, ...] = ()  #: tensors in that file
 

@@ -84,7 +84,20 @@ def check_step(r: Any) -> None:
         values = getattr(r, field)
         if values is not None and len(values) != r.num_heads:
             raise TraceError(f"{w}.{field}: {len(values)} values for {r.num_heads} heads (num_heads)")
+    _check_paged_kv(r, w)
     _check_tensor_fields(r)
+
+
+def _check_paged_kv(r: Any, w: str) -> None:
+    """FlashInfer's page table: one ``indptr`` entry more than requests, one last-page length each."""
+    indptr, last = getattr(r, "paged_kv_indptr", None), getattr(r, "paged_kv_last_page_len", None)
+    if indptr is not None and len(indptr) != r.num_reqs + 1:
+        raise TraceError(f"{w}.paged_kv_indptr: {len(indptr)} entries for {r.num_reqs} requests (len(seq_lens) + 1)")
+    if last is not None and len(last) != r.num_reqs:
+        raise TraceError(f"{w}.paged_kv_last_page_len: {len(last)} entries for {r.num_reqs} requests")
+    indices = getattr(r, "paged_kv_indices", None)
+    if indices is not None and len(indices) > MAX_BLOCK_TABLE_ENTRIES:
+        raise TraceError(f"{w}.paged_kv_indices: {len(indices)} entries (at most {MAX_BLOCK_TABLE_ENTRIES})")
 
 
 def _check_tensor_fields(r: Any) -> None:

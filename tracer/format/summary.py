@@ -18,7 +18,7 @@ from tracer.format.selection import layer_index
 from tracer.format.store import REPLAY, SESSION, Trace
 from tracer.format.verdicts import ReplayReport
 
-__all__ = ["GapGroup", "TraceSummary", "step_ranges", "summarize"]
+__all__ = ["GapGroup", "TraceSummary", "step_ranges", "summarize", "tensors_absent"]
 
 
 def step_ranges(steps: list[int]) -> str:
@@ -33,6 +33,28 @@ def step_ranges(steps: list[int]) -> str:
         out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
         i = j + 1
     return ", ".join(out)
+
+
+def tensors_absent(run: Any, kind: str = "request") -> str:
+    """Why a record of ``kind`` in the trace of manifest ``run`` has no tensors, in a few words.
+
+    From what the manifest says: recorded without tensors; the tracer's own reason
+    (``extra.tracer.tensors_absent``: a backend whose tensors it does not capture, full CUDA
+    graphs captured before it started); the tensor budget spent; tensors are captured on
+    request steps only. A trace that says none of these (one not finished, or older) says so.
+    """
+    options = getattr(run, "options", None) or {}
+    if not options.get("tensors", True):
+        return "recorded with --no-tensors"
+    if kind != "request":
+        return f"a {kind} step (tensors are captured on request steps)"
+    tracer = (getattr(run, "extra", None) or {}).get("tracer")
+    tracer = tracer if isinstance(tracer, dict) else {}
+    if tracer.get("tensors_absent"):
+        return str(tracer["tensors_absent"])
+    if tracer.get("budget_exhausted"):
+        return "the tensor budget (--budget-mb) was spent"
+    return "the manifest does not say why (an unfinished trace, or one that reached its tensor budget)"
 
 
 @dataclass(frozen=True)
@@ -74,6 +96,7 @@ class TraceSummary:
     #: empty for traces before format 3
     steps_by_graph: dict[str, int] = dataclasses.field(default_factory=dict)
     write_log_records: int = 0  #: records whose tensors are a KV write log (format 3)
+    tensors_absent: str = ""  #: why request records lack tensors (:func:`tensors_absent`); "" when none does
     check_records: int = 0  #: of those, check steps that also keep their blocks whole
     #: tensor-parallel ranks (``TensorParallel.to_json()`` each, with ``directory`` and ``records``): every
     #: rank of a joined trace, or the one rank a rank's own directory holds; empty for a single rank
@@ -103,6 +126,7 @@ class TraceSummary:
             "replay": self.replay,
             "steps_by_graph": self.steps_by_graph,
             "write_log_records": self.write_log_records,
+            "tensors_absent": self.tensors_absent,
             "check_records": self.check_records,
             "ranks": list(self.ranks),
             "disagreements": list(self.disagreements),
@@ -163,6 +187,9 @@ def summarize(trace: Trace) -> TraceSummary:
         replay=_replay(trace),
         steps_by_graph={mode: len(steps) for mode, steps in sorted(graphs.items(), key=lambda kv: -len(kv[1]))},
         write_log_records=sum(r.kv_log_epoch is not None for r in trace.records),
+        tensors_absent=tensors_absent(run)
+        if any(r.tensors is None and r.kind == "request" for r in trace.records)
+        else "",
         check_records=sum(r.kv_log_epoch is not None and "kv_blocks" in r.tensor_names for r in trace.records),
         ranks=_ranks(trace),
         disagreements=tuple(str(d) for d in trace.disagreements),

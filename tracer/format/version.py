@@ -20,6 +20,7 @@ __version__ = "0.3.0"
 #: 5: manifest ``kv_cache_groups`` (``KVCacheGroup``) and ``null_block``; ``StepRecord.kv_cache_group`` (0.3)
 #:   and manifest ``tensor_parallel`` (rank, world size, head ranges); rank N > 0 writes ``rank<N>/``,
 #:   read as one trace with rank 0's (``tracer.format.ranks``)
+#:   and FlashInfer's ``paged_kv_indptr`` / ``paged_kv_indices`` / ``paged_kv_last_page_len``
 FORMAT_VERSION = 5
 
 #: Format versions this pagedtrace reads.
