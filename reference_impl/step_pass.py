@@ -20,7 +20,7 @@ against it, and an fp32 reference (error ~1e-7 relative) would be a visible shar
 emulation's error (~4e-3) only at ``TOL_K`` scale, but the floor (one bf16 ulp at the
 head's max) and the mean bar (``MEAN_FLOOR_ULPS = 1/16`` ulp) leave less room: fp64 keeps
 the reference's own error out of the verdict everywhere. The emulation is fp32, as the
-kernels it models (``torch.backends.cuda.matmul.allow_tf32`` is turned off for it on a GPU).
+kernels it models (``torch.backends.cuda.matmul.allow_tf32`` is turned off during the pass on a GPU).
 
 Einsum letters as in :mod:`reference_impl.kernel`, with ``r`` the item within a group.
 
@@ -167,7 +167,60 @@ def step_outputs(
     Returns:
         ``(expected fp64 or None, baseline in out_dtype)``; rows of sequences without queries are 0.
     """
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    # TF32 would round the emulation's fp32 products to 10 bits: off for the pass, whatever the caller set.
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return _step_outputs(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            scale=scale,
+            causal=causal,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            fp8_query=fp8_query,
+            q_scale=q_scale,
+            out_dtype=out_dtype,
+            emulation=emulation,
+            reference=reference,
+            dev=torch.device(device) if device is not None else torch.device("cpu"),
+        )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _step_outputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
+    fp8_query: torch.Tensor | None,
+    q_scale: float,
+    out_dtype: torch.dtype,
+    emulation: Emulation,
+    reference: bool,
+    dev: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`step_outputs` on ``dev``."""
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
