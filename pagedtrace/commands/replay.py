@@ -219,7 +219,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     # A metadata-only trace skips every record: the summary says so once.
     for skipped in report.skipped if report.steps else ():
         console.print(literal(f"skipped: {skipped}", "dim"))
-    console.print(_summary(report) + _sampled(report, args, trace, LEGACY_EVERY))
+    console.print(_summary(report, _sampled(report, args, trace, LEGACY_EVERY)))
     if saved:
         console.print(literal(f"verdicts written to {trace.path / 'replay.json'}", "dim"))
     return 0 if report.ok else 1
@@ -415,7 +415,8 @@ def _records_text(records) -> str:
     return f"{len(records)} records: {steps} steps, {layers} layers"
 
 
-def _summary(report) -> str:
+def _summary(report, sampled: str = "") -> str:
+    """The verdict line; ``sampled`` (from :func:`_sampled`) goes before the time, which ends it."""
     n = len(report.steps)
     if not n:
         state = "[bold green]metadata ok[/]" if report.ok else "[bold red]MISMATCH[/]"
@@ -430,7 +431,8 @@ def _summary(report) -> str:
             f"(worst by error/tolerance: step {worst.step} {escape(short_layer(worst.layer))}, "
             f"max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
             f"max rel {_num(worst.max_rel)}); {len(report.write_path)} write path(s) bit-exact, "
-            f"legacy x-split layout gives identical output; {_metadata_summary(report)}; {report.seconds:.2f} s"
+            f"legacy x-split layout gives identical output; {_metadata_summary(report)}{sampled}; "
+            f"{report.seconds:.2f} s"
         )
     bad_steps = sum(not r.ok for r in report.steps)
     bad_writes = sum(not w.ok for w in report.write_path)
@@ -438,7 +440,7 @@ def _summary(report) -> str:
     return (
         f"[bold red]MISMATCH[/]: {bad_steps} of {_records_text(report.steps)} outside tolerance, "
         f"{bad_writes}/{len(report.write_path)} write path(s) wrong, "
-        f"{bad_legacy}/{len(report.legacy)} legacy round trip(s) differ; {_metadata_summary(report)}; "
+        f"{bad_legacy}/{len(report.legacy)} legacy round trip(s) differ; {_metadata_summary(report)}{sampled}; "
         f"{report.seconds:.2f} s"
     )
 
