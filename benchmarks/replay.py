@@ -13,6 +13,17 @@ machine, a load above the thread count means the figures are pessimistic).
 Figures only, no asserts; the targets of the issue are printed next to them::
 
     python benchmarks/replay.py --steps 1000
+
+With ``--engine`` it measures replay against the engine instead, side by side in one
+invocation (``--repeat`` rounds, to see a shared machine's noise): each round runs
+``pagedtrace run --prompts 128 --max-tokens 300`` (tiny preset, layer 0, tensors; ``--run-args``
+replaces those flags) into a fresh directory, reads the engine's generate time from the trace's
+``session.json`` (``generate_s``), replays the trace (``--device``) and prints steps/s and
+replay time / generate time. With ``--trace DIR`` it replays an existing trace, its
+``session.json`` giving the generate time::
+
+    python benchmarks/replay.py --engine --repeat 3
+    python benchmarks/replay.py --trace TRACE --device cuda
 """
 
 from __future__ import annotations
@@ -151,8 +162,63 @@ def read_floor(steps, key_cache, value_cache, chunk_blocks: int = 32) -> float:
     return time.perf_counter() - start
 
 
+def replay_against_engine(trace_dir: Path, device: str | None, label: str) -> dict:
+    """Replay ``trace_dir`` (no replay.json written); print and return steps/s and the ratio to its generate time."""
+    import json
+
+    from reference_impl.replay import replay_trace
+    from reference_impl.step_pass import select_device
+    from tracer.format import Trace
+
+    session = json.loads((trace_dir / "session.json").read_text())
+    generate_s = float(session["generate_s"])
+    dev = select_device(device)
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    report = replay_trace(Trace.open(trace_dir), device=dev)
+    replay_s = time.perf_counter() - start
+    steps = len(report.steps)
+    print(
+        f"{label}: {steps} steps replayed on {dev.type} in {replay_s:.2f} s = {steps / replay_s:.1f} steps/s; "
+        f"engine generate {generate_s:.2f} s; replay / generate = {replay_s / generate_s:.2f}x "
+        f"(target <= 1: {'met' if replay_s <= generate_s else 'not met'}); "
+        f"verdict {'ok' if report.ok else 'MISMATCH'}; "
+        f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after",
+        flush=True,
+    )
+    return {"steps": steps, "replay_s": replay_s, "generate_s": generate_s, "ok": report.ok, "device": dev.type}
+
+
+def engine_rounds(args: argparse.Namespace) -> int:
+    """``--engine``: ``--repeat`` rounds of a fresh ``pagedtrace run`` and its replay, side by side."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    if args.trace is not None:
+        replay_against_engine(Path(args.trace), args.device, str(args.trace))
+        return 0
+    pagedtrace = [sys.executable, "-m", "pagedtrace"]
+    for i in range(args.repeat):
+        with tempfile.TemporaryDirectory(prefix="pagedtrace-replay-bench-") as tmp:
+            out = Path(tmp) / "trace"
+            cmd = [*pagedtrace, "run", *shlex.split(args.run_args), "-o", str(out), "-q"]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            replay_against_engine(out, args.device, f"round {i + 1}/{args.repeat}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", action="store_true", help="replay against the engine's generate time (see above)")
+    parser.add_argument("--trace", default=None, help="with --engine: replay this trace instead of making one")
+    parser.add_argument("--repeat", type=int, default=2, help="with --engine: rounds (default %(default)s)")
+    parser.add_argument(
+        "--run-args",
+        default="--prompts 128 --max-tokens 300",
+        help="with --engine: pagedtrace run's flags (default: %(default)s)",
+    )
+    parser.add_argument("--device", default=None, help="with --engine: cpu or cuda (default: cuda when present)")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=8, help="decoding sequences per step")
     parser.add_argument("--min-len", type=int, default=100)
@@ -174,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.engine or args.trace is not None:
+        return engine_rounds(args)
     thread_counts = [int(t) for t in args.threads.split(",")]
 
     steps, num_blocks = build_workload(args)

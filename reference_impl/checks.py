@@ -91,6 +91,10 @@ def check_write_path(
     v_scale = spec.v_scale if record.v_scale is None else record.v_scale
     new_k = quantize_like_cache(key[:num][rows], kv_blocks.dtype, k_scale)  # [t, H_kv, D]
     new_v = quantize_like_cache(value[:num][rows], kv_blocks.dtype, v_scale)
+    # Only the blocks the step wrote into are compared (a difference elsewhere is never read
+    # back below): repacking the whole cache each step would cost more than the attention.
+    touched, idx = torch.unique(idx, return_inverse=True)
+    kv_blocks = kv_blocks[touched]
     got_k, got_v = read_cache(kv_blocks, layout, spec.head_size)
     key_cache, value_cache = got_k.clone(), got_v.clone()
     key_cache[idx, off] = new_k

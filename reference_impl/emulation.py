@@ -72,6 +72,7 @@ __all__ = [
     "emulation_of",
     "interval_midpoints",
     "quantize_query",
+    "round_output",
 ]
 
 #: Name of the emulation, as ``replay.json``'s ``tolerance`` records it.
@@ -323,6 +324,8 @@ def emulate_flash_attention(
         elif fp8_cache:
             k = _round_to(k.to(torch.float32) * k_scale, element)
             v = _round_to(v.to(torch.float32) * v_scale, element)
+        elif k.dtype == element:  # already the operand dtype: exact in fp32, nothing to round
+            k, v = k.to(torch.float32), v.to(torch.float32)
         else:
             k, v = _round_to(k.to(torch.float32), element), _round_to(v.to(torch.float32), element)
         k_pos = torch.arange(seq_len)
@@ -359,6 +362,11 @@ def emulate_flash_attention(
             if fp8_query:
                 o = o * v_scale
             out[q_start + t0 : q_start + t1] = o.permute(2, 0, 1, 3).reshape(t1 - t0, num_heads, head_size)
+    return round_output(out, out_dtype, emulation)
+
+
+def round_output(out: torch.Tensor, out_dtype: torch.dtype, emulation: Emulation) -> torch.Tensor:
+    """The kernel's fp32 output ``out`` rounded to the activation dtype as ``emulation`` rounds it."""
     if emulation.output_rounding == "toward_zero" and out_dtype == torch.bfloat16:
         return _truncate_to_bf16(out)
     return out.to(out_dtype)

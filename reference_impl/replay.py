@@ -19,6 +19,11 @@ write path, legacy
     the captured blocks' bits; the same cache rewritten in the legacy x-split layout
     must give bitwise the same output (:mod:`reference_impl.checks`).
 
+The legacy round trip runs on a sample of the replayed steps (the first, the last and every
+:data:`LEGACY_EVERY`-th): it is a storage-order identity, the same on every step. On a GPU
+(``device="cuda"``) the reference and the bar's baseline come from one batched pass there
+(:mod:`reference_impl.step_pass`); on the CPU from the ``kernel`` form and the emulation.
+
 The pieces live in their own modules and are re-exported here: reading the blocks and
 choosing the layout (:mod:`reference_impl.resolve`: format 2 names the CPU backend's
 AMX packing ``cpu_amx``; early format-1 traces may name it ``cpu``, and
@@ -47,6 +52,7 @@ from reference_impl.inputs import (
     step_inputs,
 )
 from reference_impl.resolve import kv_spec, read_cache, resolve_layout
+from reference_impl.step_pass import step_kwargs, step_outputs
 from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, bar_note, tolerance_for
 from tracer.format import (
     REPLAY,
@@ -71,6 +77,7 @@ from tracer.format.writelog import NotInWriteLog
 __all__ = [
     "KERNELS",
     "LAYOUT_CPU_AMX",
+    "LEGACY_EVERY",
     "REFERENCE_DTYPE",
     "TOLERANCE",
     "TOL_EPS",
@@ -86,15 +93,21 @@ __all__ = [
     "compact_block_table",
     "judge_output",
     "kv_spec",
+    "legacy_sample",
     "read_cache",
     "reference_outputs",
     "replay_record",
     "replay_trace",
     "resolve_layout",
+    "sample_records",
     "save_report",
     "select_records",
     "step_inputs",
 ]
+
+
+#: :func:`replay_trace` runs the legacy round trip on every this-many-th record (and the first and last).
+LEGACY_EVERY = 16
 
 
 def replay_record(
@@ -107,6 +120,7 @@ def replay_record(
     check_legacy: bool = True,
     flash_attn_version: int | None = None,
     emulation: Emulation = FLASH,
+    device: torch.device | str | None = None,
 ) -> tuple[StepResult, LegacyCheck | None]:
     """Rerun one (step, layer)'s attention and judge vLLM's ``output``.
 
@@ -121,6 +135,9 @@ def replay_record(
         flash_attn_version: the trace's ``RunInfo.flash_attn_version`` (3: a bf16 query of
             an fp8 step is quantised as vLLM does for FA3, see :mod:`reference_impl.inputs`).
         emulation: how the trace's kernel rounds (``emulation_of(trace.run)``): the bar's baseline.
+        device: a GPU (``cuda``) computes the reference and the baseline there in one batched
+            pass (:mod:`reference_impl.step_pass`: fp64 reference, fp32 emulation); None or the
+            CPU: the ``kernel`` form and the emulation on the CPU.
 
     Returns:
         The step's result and, with ``check_legacy``, the legacy check (None when the
@@ -128,7 +145,11 @@ def replay_record(
     """
     inputs = step_inputs(record, tensors, spec, layout, flash_attn_version=flash_attn_version, emulation=emulation)
     output, num = tensors["output"], inputs.num_tokens
-    expected, baseline = reference_outputs(inputs, kernel)
+    if device is not None and torch.device(device).type != "cpu":
+        expected, baseline = step_outputs(*inputs.args, **step_kwargs(inputs), device=device)
+        assert expected is not None
+    else:
+        expected, baseline = reference_outputs(inputs, kernel)
     # The bar is per head and never depends on `kernel` (reference_impl.tolerances).
     verdict = judge_output(inputs, output, expected, baseline)
     # Per-head scale for the relative error: the largest |reference| value of that head.
@@ -224,6 +245,9 @@ def replay_trace(
     check_legacy: bool = True,
     layout: str | None = None,
     progress: Callable[[int, int, StepResult], None] | None = None,
+    sample: int | None = None,
+    legacy_every: int = LEGACY_EVERY,
+    device: torch.device | str | None = None,
 ) -> ReplayReport:
     """Replay every selected (step, layer) of ``trace`` that has tensors.
 
@@ -237,6 +261,14 @@ def replay_trace(
         layout: read the blocks in this layout instead of the recorded one (for
             experiments; :func:`resolve_layout` picks the right one by default).
         progress: called as ``progress(done, total, result)`` after each step.
+        sample: replay only this many of the selected records with tensors, spread evenly
+            over them (:func:`sample_records`: the first and the last included, the same
+            ones every time); None: all.
+        legacy_every: run the legacy round trip on the first, the last and every
+            ``legacy_every``-th replayed record (:func:`legacy_sample`; 1: every record).
+            It is a storage-order identity: the sample proves it at a fraction of a rerun
+            per step.
+        device: where the reference runs (see :func:`replay_record`; None: the CPU).
 
     Returns:
         The report; ``report.ok`` is the verdict.
@@ -259,6 +291,9 @@ def replay_trace(
             f"(steps {_fmt_range(steps)}, layers {','.join(map(str, layers or ())) or 'all'})"
         )
     with_tensors = [r for r in selected if r.tensors is not None]
+    if sample is not None:
+        with_tensors = sample_records(with_tensors, sample)
+    legacy_at = legacy_sample(len(with_tensors), legacy_every) if check_legacy else frozenset()
     skipped = tuple(
         f"step {r.step} {r.layer}: no tensors ({tensors_absent(trace.run, r.kind)})"
         for r in selected
@@ -302,9 +337,10 @@ def replay_trace(
             spec,
             read_layout,
             kernel=kernel,
-            check_legacy=check_legacy,
+            check_legacy=done - 1 in legacy_at,
             flash_attn_version=trace.run.flash_attn_version,
             emulation=emulation,
+            device=device,
         )
         results.append(result)
         if legacy is not None:
@@ -327,6 +363,28 @@ def replay_trace(
         skipped=skipped,
         seconds=time.perf_counter() - started,
     )
+
+
+def legacy_sample(count: int, every: int) -> frozenset[int]:
+    """Indices of the records (of ``count``) whose legacy round trip runs: the first, the last, every ``every``-th."""
+    if count <= 0:
+        return frozenset()
+    return frozenset(range(0, count, max(1, every))) | {count - 1}
+
+
+def sample_records(records: list[StepRecord], count: int) -> list[StepRecord]:
+    """``count`` of ``records`` spread evenly over them, the first and the last included; all if fewer.
+
+    Reproducible: the same records for the same inputs (no randomness).
+    """
+    if count <= 0:
+        raise ValueError(f"sample {count}: expected a positive number of steps")
+    if count >= len(records):
+        return list(records)
+    if count == 1:
+        return [records[0]]
+    picks = sorted({round(i * (len(records) - 1) / (count - 1)) for i in range(count)})
+    return [records[i] for i in picks]
 
 
 def unreplayable(record: StepRecord, why: str) -> StepResult:

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from pagedtrace.cli import main
 from reference_impl.layouts import cpu_layout_for
-from reference_impl.replay import LAYOUT_CPU_AMX, TOL_K, ReplayReport, replay_trace
+from reference_impl.replay import LAYOUT_CPU_AMX, LEGACY_EVERY, TOL_K, ReplayReport, legacy_sample, replay_trace
 from tracer.format import StepRecord, Trace
 
 pytestmark = pytest.mark.engine
@@ -95,9 +95,14 @@ def test_write_path_is_bit_exact(trace, report):
         assert check.tokens == sum(s >= 0 for s in record.slot_mapping)
 
 
-def test_legacy_x_split_is_just_storage(report):
-    assert len(report.legacy) == len(report.steps)
-    for check in report.legacy:
+def test_legacy_x_split_is_just_storage(trace, report):
+    # By default on the first, the last and every LEGACY_EVERY-th step; legacy_every=1: on every step.
+    steps = [r.step for r in report.steps]
+    sampled = sorted(legacy_sample(len(steps), LEGACY_EVERY))
+    assert [c.step for c in report.legacy] == [steps[i] for i in sampled]
+    every = replay_trace(trace, legacy_every=1, check_write=False)
+    assert [c.step for c in every.legacy] == steps
+    for check in (*report.legacy, *every.legacy):
         assert check.ok and check.max_abs == 0.0
         assert check.x == 8  # bf16: 16 bytes / 2
 

@@ -15,7 +15,15 @@ import sys
 from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -52,6 +60,17 @@ def _layers(text: str) -> tuple[str | int, ...] | None:
     return (selection,) if isinstance(selection, str) else selection
 
 
+def _positive(text: str) -> int:
+    """``--sample``: a positive whole number."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value}: expected a positive number of steps")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``replay``."""
     p = sub.add_parser(
@@ -82,7 +101,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--device",
         default=None,
         metavar="DEVICE",
-        help="with a MODULE:FUNCTION kernel: move its inputs to DEVICE (e.g. cuda) first",
+        help="where the reference runs: cpu or cuda (default: cuda when a GPU is present, else cpu; "
+        "fp64 reference, fp32 emulation of the kernel's rounding); with a MODULE:FUNCTION kernel: "
+        "move its inputs to DEVICE (e.g. cuda) first",
+    )
+    p.add_argument(
+        "--sample",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="replay only N of the selected steps, spread evenly over them (the first and last "
+        "included, the same ones every time): a quick look at a long trace",
     )
     p.add_argument(
         "--steps",
@@ -116,24 +145,33 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 f"unknown kernel {args.kernel!r}: use one of {', '.join(KERNEL_CHOICES)} or MODULE:FUNCTION"
             )
         return run_user_kernel(args, console)
-    if args.device is not None:
-        raise UsageError("--device applies to a MODULE:FUNCTION kernel only (the reference runs on the CPU)")
     trace = open_trace(args.trace, args)  # a wrong path is answered before torch loads (seconds)
     from reference_impl.compiled import CompiledKernelError
-    from reference_impl.replay import replay_trace, save_report
+    from reference_impl.replay import LEGACY_EVERY, replay_trace, save_report
+    from reference_impl.step_pass import select_device
+
+    try:
+        device = select_device(args.device)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
     # With --json stdout holds the JSON and nothing else: progress and log lines go to stderr.
     log_console = make_console(stderr=True) if args.json else console
     quiet = verbosity(args) == QUIET
     if args.kernel == "compiled" and not quiet:
         announce_compiled_build(log_console)
-    with _progress(log_console, disable=args.json or quiet or not console.is_terminal) as progress:
-        task = progress.add_task(f"replaying {trace.path.name} ({args.kernel})", total=None)
+    # The bar (steps/s, time left) goes to stderr, and only when stderr is a terminal: piped, nothing.
+    bar_console = make_console(stderr=True)
+    with _progress(bar_console, disable=quiet or not bar_console.is_terminal) as progress:
+        where = "" if device.type == "cpu" else f" on {device.type}"
+        task = progress.add_task(f"replaying {trace.path.name} ({args.kernel}{where})", total=None, rate="")
 
         def on_step(done: int, total: int, result) -> None:
             progress.update(task, total=total, completed=done)
+            speed = progress.tasks[0].speed
+            progress.update(task, rate="" if speed is None else f"{speed:.1f} steps/s")
             if not result.ok:
-                progress.console.log(
+                log_console.log(
                     Text.assemble(
                         ("mismatch", "red"),
                         f" step {result.step} {result.layer}: max abs {result.max_abs:.3g} > tol {result.tol:.3g}"
@@ -143,7 +181,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 )
 
         try:
-            report = replay_trace(trace, steps=args.steps, layers=args.layers, kernel=args.kernel, progress=on_step)
+            report = replay_trace(
+                trace,
+                steps=args.steps,
+                layers=args.layers,
+                kernel=args.kernel,
+                progress=on_step,
+                sample=args.sample,
+                device=device,
+            )
         except CompiledKernelError as exc:
             raise UsageError(f"{exc}; use --kernel fast") from exc
     saved = False
@@ -180,7 +226,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(literal(f"skipped: {skipped}", "dim"))
     from tracer.format.summary import tensors_absent
 
-    console.print(_summary(report, tensors_absent(trace.run)))
+    console.print(_summary(report, tensors_absent(trace.run), _sampled(report, args, trace, LEGACY_EVERY)))
     if saved:
         console.print(literal(f"verdicts written to {trace.path / 'replay.json'}", "dim"))
     return 0 if report.ok else 1
@@ -305,14 +351,33 @@ def _record_ok(r, writes: dict, legacies: dict, metadata: dict) -> bool:
     return bool(r.ok and (write is None or write.ok) and (legacy is None or legacy.ok) and all(c.ok for c in meta))
 
 
+def _sampled(report, args: argparse.Namespace, trace, legacy_every: int) -> str:
+    """What the verdict line stands on when not every step or round trip ran ("" otherwise)."""
+    from reference_impl.replay import select_records
+
+    parts = []
+    if args.sample is not None and report.steps:
+        total = sum(r.tensors is not None for r in select_records(trace, steps=args.steps, layers=args.layers))
+        if len(report.steps) < total:
+            parts.append(f"--sample {args.sample}: {len(report.steps)} of {total} steps replayed, spread evenly")
+    if len(report.legacy) < len(report.steps):
+        parts.append(
+            f"legacy round trip on {len(report.legacy)} of {len(report.steps)} steps "
+            f"(the first, the last, every {legacy_every}th)"
+        )
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _progress(console: Console, *, disable: bool) -> Progress:
-    """The replay progress bar: one task per trace, transient."""
+    """The replay progress bar: one task per trace, transient; steps/s and the time left."""
     return Progress(
         SpinnerColumn(),
         TextColumn("{task.description}", markup=False),  # names a path
         BarColumn(),
         MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}", markup=False),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=console,
         transient=True,
         disable=disable,
@@ -405,7 +470,8 @@ def _records_text(records) -> str:
     return f"{len(records)} records: {steps} steps, {layers} layers"
 
 
-def _summary(report, why: str = "") -> str:
+def _summary(report, why: str = "", sampled: str = "") -> str:
+    """The verdict, its line last; ``why``: why tensors are absent; ``sampled``: what it stands on."""
     n = len(report.steps)
     if not n:
         state = "[bold green]metadata ok[/]" if report.ok else "[bold red]MISMATCH[/]"
@@ -420,7 +486,8 @@ def _summary(report, why: str = "") -> str:
         return (
             f"{len(report.write_path)} write path(s) bit-exact, legacy x-split layout gives identical output; "
             f"{_metadata_summary(report)}\n"
-            f"[bold green]all {_records_text(report.steps)} match[/]: vLLM's output is attention within tolerance "
+            + (f"replayed:{sampled[1:]}\n" if sampled else "")
+            + f"[bold green]all {_records_text(report.steps)} match[/]: vLLM's output is attention within tolerance "
             f"(worst by error/tolerance: step {worst.step} {escape(short_layer(worst.layer))}, "
             f"max abs {_num(worst.max_abs)} vs tol {_num(worst.tol)}, "
             f"max rel {_num(worst.max_rel)}); {report.seconds:.2f} s"
@@ -431,7 +498,7 @@ def _summary(report, why: str = "") -> str:
     return (
         f"[bold red]MISMATCH[/]: {bad_steps} of {_records_text(report.steps)} outside tolerance, "
         f"{bad_writes}/{len(report.write_path)} write path(s) wrong, "
-        f"{bad_legacy}/{len(report.legacy)} legacy round trip(s) differ; {_metadata_summary(report)}; "
+        f"{bad_legacy}/{len(report.legacy)} legacy round trip(s) differ; {_metadata_summary(report)}{sampled}; "
         f"{report.seconds:.2f} s"
     )
 
@@ -454,7 +521,7 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     with _progress(console, disable=args.json or not console.is_terminal) as progress:
-        task = progress.add_task(f"checking {args.kernel} on {trace.path.name}", total=None)
+        task = progress.add_task(f"checking {args.kernel} on {trace.path.name}", total=None, rate="")
 
         def on_case(done: int, total: int, result) -> None:
             progress.update(task, total=total, completed=done)

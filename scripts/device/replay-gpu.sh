@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Replay on the GPU against the CPU and the engine's generate time (issue: replay at engine speed).
+#   bash scripts/device/replay-gpu.sh            (on the device machine, from the repo root; writes under $OUT)
+# Runs benchmarks/gpu_overhead.py's 192-step default-mode workload (qwen2.5-7b-instruct preset, 3 batches of 32
+# prompts, 64 new tokens) with tensors for layer 0, keeping the trace; then replays it with --device cuda and
+# --device cpu (replay.json of each kept under $OUT), prints both times, the generate time, and whether the two
+# replays' verdicts agree step by step (attention verdict per step and per head, write path, legacy).
+set -uo pipefail
+OUT=${OUT:?set OUT to an output directory}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$REPO" || exit 1
+# shellcheck disable=SC1091
+source .device/install.sh env
+export PYTHONPATH="$REPO:${PYTHONPATH:-}"
+mkdir -p "$OUT/bench"
+start=$(date +%s)
+python3 benchmarks/gpu_overhead.py --model qwen2.5-7b-instruct --modes default --cases tensors-l0 \
+  --out "$OUT/bench" --json "$OUT/gpu-overhead.json" > "$OUT/gpu-overhead.txt" 2>&1
+echo "engine: exit $? after $(( $(date +%s) - start )) s (log: $OUT/gpu-overhead.txt)"
+TRACE="$OUT/bench/default-tensors-l0"
+python3 - "$TRACE" "$OUT" <<'PY' 2>&1 | tee "$OUT/replay-gpu.txt"
+import json, sys, time
+from pathlib import Path
+import torch
+from reference_impl.replay import replay_trace
+from tracer.format import Trace
+
+trace_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+bench = json.loads((out / "gpu-overhead.json").read_text())
+cases = bench["cases"] if isinstance(bench, dict) and "cases" in bench else bench
+case = next(c for c in (cases if isinstance(cases, list) else cases.values()) if c.get("case") == "tensors-l0")
+generate_s = case["generate_s"]
+print(f"GPU: {torch.cuda.get_device_name(0)}; engine generate (3 batches, tensors of layer 0): {generate_s:.3f} s")
+reports = {}
+for device in ("cuda", "cpu"):
+    start = time.perf_counter()
+    report = replay_trace(Trace.open(trace_dir), device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    reports[device] = report
+    (out / f"replay-{device}.json").write_text(json.dumps(report.to_json(), indent=1))
+    n = len(report.steps)
+    print(f"replay --device {device}: {n} steps in {seconds:.2f} s = {n / seconds:.1f} steps/s; "
+          f"replay / generate = {seconds / generate_s:.2f}x; verdict {'ok' if report.ok else 'MISMATCH'}")
+gpu, cpu = reports["cuda"], reports["cpu"]
+differ = [
+    (a.step, a.layer, a.ok, b.ok, [h.ok for h in a.heads] == [h.ok for h in b.heads], a.max_abs, b.max_abs, a.tol, b.tol)
+    for a, b in zip(gpu.steps, cpu.steps, strict=True)
+    if a.ok != b.ok or [h.ok for h in a.heads] != [h.ok for h in b.heads]
+]
+worst_tol = max((abs(a.tol - b.tol) / max(b.tol, 1e-300) for a, b in zip(gpu.steps, cpu.steps)), default=0.0)
+worst_err = max((abs(a.max_abs - b.max_abs) / max(b.tol, 1e-300) for a, b in zip(gpu.steps, cpu.steps)), default=0.0)
+print(f"verdicts agree on {len(gpu.steps) - len(differ)} of {len(gpu.steps)} steps (step and per-head); "
+      f"largest |tol_gpu - tol_cpu| / tol_cpu {worst_tol:.2e}, |max_abs_gpu - max_abs_cpu| / tol_cpu {worst_err:.2e}")
+for d in differ:
+    print("  differs:", d)
+print("write paths agree:", [w.ok for w in gpu.write_path] == [w.ok for w in cpu.write_path],
+      "legacy agree:", [c.ok for c in gpu.legacy] == [c.ok for c in cpu.legacy])
+PY
+echo "replay-gpu: done after $(( $(date +%s) - start )) s; outputs under $OUT"
