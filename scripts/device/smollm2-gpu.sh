@@ -8,8 +8,8 @@
 #                                                    vLLM's default graph mode (FULL_AND_PIECEWISE) with
 #                                                    tensors on the demo's four chats, then replay it
 # vLLM comes from `source .device/install.sh env` (its parts sent first). Everything under /tmp lasts
-# only while the machine stays up. Output of `trace`: $OUT/trace (the trace), $OUT/run.log,
-# $OUT/replay-checks.json, $OUT/summary.txt.
+# only while the machine stays up. Output of `trace`: $OUT/smollm2-trace.tar (the trace, one file: the
+# device gives back at most 8), $OUT/run.log, $OUT/replay-checks.json, $OUT/summary.txt.
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO" || exit 1
@@ -51,16 +51,18 @@ PY
     DIR=${2:?usage: smollm2-gpu.sh trace MODEL_DIR}
     : "${OUT:?set OUT to the output directory}"
     mkdir -p "$OUT"
+    T=$(mktemp -d /tmp/smollm2-trace-XXXX)
+    trap 'tar -C "$T" -cf "$OUT/smollm2-trace.tar" trace 2>/dev/null; rm -rf "$T"' EXIT
     "$PY" -c "import torch; print('device:', torch.cuda.get_device_name())" | tee "$OUT/summary.txt"
     start=$(date +%s)
-    "$PY" scripts/pagedtrace_run.py run -o "$OUT/trace" --model "$DIR" \
+    "$PY" scripts/pagedtrace_run.py run -o "$T/trace" --model "$DIR" \
       --prompts-file pagedtrace/presets/smollm2-demo.jsonl --max-tokens 32 \
       --cudagraph-mode FULL_AND_PIECEWISE >"$OUT/run.log" 2>&1
     rc=$?
     echo "run: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
     tail -n 40 "$OUT/run.log"
     [ "$rc" -eq 0 ] || exit "$rc"
-    "$PY" - "$OUT/trace" <<'PY' | tee -a "$OUT/summary.txt"
+    "$PY" - "$T/trace" <<'PY' | tee -a "$OUT/summary.txt"
 import json
 import sys
 from pathlib import Path
@@ -78,7 +80,7 @@ print("request steps by CUDA graph:", graphs, "| with tensors:", sum(1 for r in 
 print("backend:", trace.run.attention_backend, "FA", trace.run.flash_attn_version, "| mode:", trace.run.cudagraph_mode)
 PY
     start=$(date +%s)
-    "$PY" scripts/replay_checks.py -o "$OUT/replay-checks.json" "$OUT/trace" 2>&1 | tail -n 20 | tee -a "$OUT/summary.txt"
+    "$PY" scripts/replay_checks.py -o "$OUT/replay-checks.json" "$T/trace" 2>&1 | tail -n 20 | tee -a "$OUT/summary.txt"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 0 ]; then  # replay_checks.py records verdicts; the trace must replay ok
       "$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); sys.exit(0 if all(t.get('ok') for t in d['traces'].values()) else 1)" \
