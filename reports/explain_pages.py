@@ -16,7 +16,7 @@ from pathlib import Path
 from reports.common import Link
 from reports.environment import make_environment
 from tracer.format.diff import TraceDiff
-from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation
+from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, GroupPrefix, PrefixExplanation
 from tracer.format.walk import QueryWalk
 from tracer.format.words import snippet
 
@@ -237,18 +237,32 @@ class PrefixRow:
 
 
 @dataclass(frozen=True)
+class PrefixSection:
+    """One KV-cache group's prefix-cache table."""
+
+    label: str  #: the group ("" when the trace has one)
+    layer: str  #: the layer whose block table was read
+    rows: tuple[PrefixRow, ...]
+
+
+@dataclass(frozen=True)
 class PrefixView:
-    """The prefix-cache page."""
+    """The prefix-cache page: a table per KV-cache group."""
 
     title: str
-    rows: tuple[PrefixRow, ...]
+    sections: tuple[PrefixSection, ...]
     cannot_know: tuple[str, ...]
     nav: tuple[Link, ...] = ()  #: the report's top bar
 
 
-def build_prefix_view(explanations: list[PrefixExplanation], trace_name: str, nav: tuple[Link, ...] = ()) -> PrefixView:
-    """The explanations as strings for the template."""
-    rows = tuple(
+def build_prefix_view(groups: list[GroupPrefix], trace_name: str, nav: tuple[Link, ...] = ()) -> PrefixView:
+    """The explanations of each group as strings for the template."""
+    sections = tuple(PrefixSection(g.label, g.layer, _prefix_rows(g.explanations)) for g in groups)
+    return PrefixView(f"Prefix cache: {trace_name}", sections, WHAT_THE_TRACE_CANNOT_SHOW, nav)
+
+
+def _prefix_rows(explanations: tuple[PrefixExplanation, ...]) -> tuple[PrefixRow, ...]:
+    return tuple(
         PrefixRow(
             request=f"{e.label} ({e.request_id})",
             step=e.first_step,
@@ -268,7 +282,6 @@ def build_prefix_view(explanations: list[PrefixExplanation], trace_name: str, na
         )
         for e in explanations
     )
-    return PrefixView(f"Prefix cache: {trace_name}", rows, WHAT_THE_TRACE_CANNOT_SHOW, nav)
 
 
 def render_prefix_page(page: PrefixView) -> str:

@@ -33,7 +33,7 @@ from tracer.format import MetadataCheck, ReplayReport, StepRecord, Trace
 from tracer.format.attention import AttentionMap
 from tracer.format.groups import TraceGroups, trace_groups
 from tracer.format.metadata import check_records
-from tracer.format.prefix import explain_prefix_cache
+from tracer.format.prefix import explain_prefix_cache_by_group
 from tracer.format.walk import QueryWalk
 from tracer.format.words import Words
 
@@ -90,11 +90,11 @@ def build_site(
     texts = {p: t for p in ANNOTATED_FILES if (t := trace.source(p)) is not None}
     located = {p: locate(t, p) for p, t in texts.items()}
     explained = (
-        explain_prefix_cache(trace)
+        explain_prefix_cache_by_group(trace)
         if trace.run.kv_cache is not None and any(r.kind == "request" for r in trace.records)
         else None
     )
-    hits = {e.first_step for e in explained or () if e.cached_tokens > 0}
+    hits = {e.first_step for e in (explained[0].explanations if explained else ()) if e.cached_tokens > 0}
     nav = navigation(located, prefix=explained is not None)
     records = first_records(trace)
     paged = pages_for_steps(trace.records, max_step_pages)

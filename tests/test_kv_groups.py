@@ -21,6 +21,7 @@ from tests.conftest import FIXTURES
 from tracer.format import FORMAT_VERSION, KVCacheGroup, Trace, TraceWriter
 from tracer.format.groups import NULL_BLOCK_ID, trace_groups
 from tracer.format.metadata import check_record, check_records
+from tracer.format.prefix import explain_prefix_cache_by_group
 from tracer.kv_groups import kv_cache_groups, layer_groups, null_block_id
 
 GEMMA = FIXTURES / "h200-gemma2-default-v3"  # layer 0 in the 64-token window group, layer 1 in the full one
@@ -204,3 +205,31 @@ def test_a_null_block_planted_at_a_live_position_of_the_hybrid_fixture_fails():
     checks = check_record(dataclasses.replace(record, block_table=rows), trace.run.kv_cache, trace.run, None, groups)
     (groups_check,) = [c for c in checks if c.check == "groups"]
     assert not groups_check.ok and "is the null block 0" in groups_check.problems[0].message
+
+
+def test_the_prefix_cache_is_explained_per_group_on_the_hybrid_fixture(capsys):
+    trace = Trace.open(HYBRID)
+    by_group = explain_prefix_cache_by_group(trace)
+    assert [(g.group, g.layer) for g in by_group] == [(0, L0), (1, L1)]
+    assert "sliding window 64" in by_group[0].label and "full attention" in by_group[1].label
+    window, full = by_group
+    # vLLM serves the hit all groups share: the same requests, the same cached tokens ...
+    assert [(e.request_id, e.cached_tokens) for e in window.explanations] == [
+        (e.request_id, e.cached_tokens) for e in full.explanations
+    ]
+    # ... from each group's own physical blocks.
+    blocks = [tuple(b.physical for b in e.blocks) for g in by_group for e in g.explanations if e.blocks]
+    assert blocks and len(set(blocks)) == len(blocks)
+    assert main(["show", str(HYBRID)]) == 0
+    out = capsys.readouterr().out
+    assert "prefix cache, per request (at its first scheduled step), KV-cache group 0: sliding window" in out
+    assert "KV-cache group 1: full attention" in out
+    assert main(["show", str(HYBRID), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [g["group"] for g in data["requests_by_group"]] == [0, 1]
+    assert data["requests"] == data["requests_by_group"][0]["requests"]
+
+
+def test_a_trace_of_one_group_gets_one_prefix_table(cpu_trace):
+    (only,) = explain_prefix_cache_by_group(Trace.open(cpu_trace))
+    assert only.group is None and only.label == ""

@@ -14,7 +14,7 @@ from pagedtrace.commands import add_lax, literal, open_trace
 from pagedtrace.terminal import Elided, elide, row_limit
 from tracer.format import layer_index
 from tracer.format.groups import TraceGroups, trace_groups
-from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation, explain_prefix_cache
+from tracer.format.prefix import WHAT_THE_TRACE_CANNOT_SHOW, PrefixExplanation, explain_prefix_cache_by_group
 from tracer.format.words import snippet
 
 
@@ -43,40 +43,47 @@ def run(args: argparse.Namespace, console: Console) -> int:
     summary = summarize(trace)
     # No KV-cache spec: no step reached attention's forward (vLLM failed first, say); the summary
     # and its gaps are all there is to show.
-    explanations = explain_prefix_cache(trace) if trace.run.kv_cache is not None else None
+    by_group = explain_prefix_cache_by_group(trace) if trace.run.kv_cache is not None else None
     groups = trace_groups(trace)
     if args.json:
-        requests = [e.to_json() for e in explanations or ()]
+        requests = [e.to_json() for e in by_group[0].explanations] if by_group else []
         kv_groups = {
             "source": groups.source,
             "recorded": groups.recorded,
             "null_block": groups.null_block,
             "groups": [g.to_json() for g in groups.groups],
         }
-        out = {"summary": summary.to_json(), "kv_cache_groups": kv_groups, "requests": requests}
+        out = {
+            "summary": summary.to_json(),
+            "kv_cache_groups": kv_groups,
+            "requests": requests,
+            "requests_by_group": [g.to_json() for g in by_group or ()],
+        }
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return 0
     console.print(build_trace_summary_table(summary))
     console.print(build_groups_table(groups, trace.layers))
     for line in group_differences(groups, trace.layers):
         console.print(literal(line), soft_wrap=True, highlight=False)
-    if explanations is None:
+    if by_group is None:
         console.print(literal("no prefix-cache table: no step of this trace reached attention (see its gaps)", "dim"))
         return 0
-    console.print(build_prefix_table(explanations, limit=row_limit(args)))
+    for group in by_group:
+        console.print(build_prefix_table(list(group.explanations), limit=row_limit(args), group=group.label))
     for line in WHAT_THE_TRACE_CANNOT_SHOW:
         console.print(literal(f"cannot know: {line}", "dim"), soft_wrap=True, highlight=False)
     return 0
 
 
-def build_prefix_table(explanations: list[PrefixExplanation], limit: int | None = None) -> Table:
-    """One row per request: hits, their blocks and writers, the miss.
+def build_prefix_table(explanations: list[PrefixExplanation], limit: int | None = None, group: str = "") -> Table:
+    """One row per request: hits, their blocks and writers, the miss; ``group`` names the KV-cache group read.
 
     More than ``limit`` requests: the first and last ones, and a row counting the rest.
 
     Request ids, labels and the miss's sentence come from the trace: cells are ``Text``, never markup.
     """
-    table = Table(title="prefix cache, per request (at its first scheduled step)")
+    title = "prefix cache, per request (at its first scheduled step)"
+    table = Table(title=literal(f"{title}, {group}" if group else title))
     for col in ("request", "step", "prompt", "cached", "blocks (physical <- writer@step)", "first miss"):
         table.add_column(col, justify="right" if col in ("step", "prompt", "cached") else "left")
     for e in elide(explanations, limit):

@@ -13,15 +13,15 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO" || exit 1
+if [ -f .device/install.sh ]; then
+  # shellcheck disable=SC1091
+  source .device/install.sh env  # sets its own S and P: ours come after it
+fi
 P=/tmp/smollm2-parts
 SITE=/tmp/smollm2-site
 MODEL=/tmp/smollm2-135m
 PARTS=5
 PY=${PYTHON:-python3}  # the device's python3 (torch, and vLLM from .device/install.sh)
-if [ -f .device/install.sh ]; then
-  # shellcheck disable=SC1091
-  source .device/install.sh env
-fi
 export PYTHONPATH="$REPO:${PYTHONPATH:+$PYTHONPATH:}$SITE"
 case "${1:-}" in
   part)

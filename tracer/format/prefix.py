@@ -31,12 +31,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tracer.format.groups import group_label, trace_groups
 from tracer.format.records import TraceError
 from tracer.format.requests import RequestView, request_layer, request_views, session_tokens
 from tracer.format.store import Trace
 from tracer.format.words import Words
 
-__all__ = ["WHAT_THE_TRACE_CANNOT_SHOW", "CachedBlock", "Miss", "PrefixExplanation", "explain_prefix_cache"]
+__all__ = [
+    "WHAT_THE_TRACE_CANNOT_SHOW",
+    "CachedBlock",
+    "GroupPrefix",
+    "Miss",
+    "PrefixExplanation",
+    "explain_prefix_cache",
+    "explain_prefix_cache_by_group",
+]
 
 #: Said on every explanation: what the verdicts rest on and what they cannot see.
 WHAT_THE_TRACE_CANNOT_SHOW = (
@@ -153,6 +162,59 @@ def explain_prefix_cache(trace: Trace, layer: str | None = None) -> list[PrefixE
     writes = _Writes(views, block_size)
     words = Words.of(trace)
     return [_explain(view, views, writes, block_size, caching, words) for view in views.values()]
+
+
+@dataclass(frozen=True)
+class GroupPrefix:
+    """The prefix cache as one KV-cache group's block table met it.
+
+    vLLM looks a prompt up in every group and serves the hit all groups share, so the cached
+    token counts agree; the physical blocks and their writers are the group's own.
+    """
+
+    group: int | None  #: the KV-cache group (None: the trace has one, or its groups are not known)
+    label: str  #: ``KV-cache group 1: full attention, 21 layers, block size 16`` ("" for a single group)
+    layer: str  #: the captured layer whose records were read
+    explanations: tuple[PrefixExplanation, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "group": self.group,
+            "label": self.label,
+            "layer": self.layer,
+            "requests": [e.to_json() for e in self.explanations],
+        }
+
+
+def explain_prefix_cache_by_group(trace: Trace) -> list[GroupPrefix]:
+    """:func:`explain_prefix_cache` on the first captured layer of each KV-cache group, in group order.
+
+    A trace of one group (or whose groups are not known) gives one entry, read from
+    :func:`~tracer.format.requests.request_layer`.
+
+    Raises:
+        TraceError: as :func:`explain_prefix_cache`.
+    """
+    groups = trace_groups(trace)
+    first: dict[int, str] = {}
+    for r in trace.records:
+        group = groups.of_record(r) if r.kind == "request" else None
+        if group is not None:
+            first.setdefault(group.group, r.layer)
+    if len(first) < 2:
+        layer = request_layer(trace)
+        return [GroupPrefix(None, "", layer, tuple(explain_prefix_cache(trace, layer)))]
+    by_index = {g.group: g for g in groups.groups}
+    return [
+        GroupPrefix(
+            index,
+            f"KV-cache group {index}: {group_label(by_index[index])}",
+            layer,
+            tuple(explain_prefix_cache(trace, layer)),
+        )
+        for index, layer in sorted(first.items())
+    ]
 
 
 def _explain(
