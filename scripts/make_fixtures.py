@@ -152,15 +152,15 @@ FIXTURES: dict[str, Fixture] = {
     ),
     "h200-qwen2.5-7b-flex-eager": Fixture(
         "FLEX_ATTENTION eager, tensors of layer 0",
-        f"{QWEN} {BACKEND_SHORT} --attention-backend FLEX_ATTENTION",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend FLEX_ATTENTION --eager",
     ),
     "h200-qwen2.5-7b-flashinfer-eager": Fixture(
         "FLASHINFER eager, tensors of layer 0 and FlashInfer's paged_kv_indptr / indices / last_page_len",
-        f"{QWEN} {BACKEND_SHORT} --attention-backend FLASHINFER",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend FLASHINFER --eager",
     ),
     "h200-qwen2.5-7b-hnd-eager": Fixture(
         "FlashAttention with the HND cache layout (VLLM_KV_CACHE_LAYOUT=HND), eager, tensors of layer 0",
-        f"{QWEN} {BACKEND_SHORT} --attention-backend FLASH_ATTN",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend FLASH_ATTN --eager",
         env=(("VLLM_KV_CACHE_LAYOUT", "HND"),),
     ),
 }

@@ -398,10 +398,13 @@ def _why_not(name: str, cuda: bool) -> str:
         fa = importlib.import_module("vllm.v1.attention.backends.fa_utils")
         if not fa.is_flash_attn_varlen_func_available():
             return "vLLM's flash_attn_varlen_func is not available"
-        if name == "FLASH_ATTN_3":
-            torch = _torch()
-            if torch.cuda.get_device_capability()[0] != 9:
-                return "FA3 needs a Hopper GPU"
+        version = {"FLASH_ATTN_2": 2, "FLASH_ATTN_3": 3}.get(name)
+        if version is not None:
+            # vLLM's own answer: FA2's kernels may be missing from a build, FA3 needs Hopper.
+            fai = importlib.import_module("vllm.vllm_flash_attn.flash_attn_interface")
+            why = fai.fa_version_unsupported_reason(version)
+            if why:
+                return f"FA{version} is not available here: {why.splitlines()[0]}"
         return ""
     if name == "TRITON_ATTN":
         return _importable("vllm.v1.attention.ops.triton_unified_attention")

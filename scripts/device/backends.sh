@@ -7,7 +7,7 @@
 # 2. plants scale x1.02 into each (benchmarks/sensitivity.py --mutations scale): it must be caught;
 # 3. runs vLLM's own kernels on the HND FlashAttention trace: replay --kernel vllm:TRITON_ATTN and
 #    vllm:FLASH_ATTN, then `pagedtrace backends` on every fixture;
-# 4. greedy tokens traced vs untraced per backend (tiny preset: the tracer must not change a token).
+# 4. greedy tokens untraced, traced, untraced per backend (scripts/device/tokens.py, tiny preset).
 # Writes into $OUT (5 files): backends.log (everything), fixtures.tar (the traces, for tests/fixtures/),
 # replay.json (the replays on this host), backends-tables.txt, tokens.json. Phases past the time budget
 # are skipped and said so in the log.
@@ -69,45 +69,7 @@ for t in "${TRACES[@]}"; do
 done
 
 echo "== 4. greedy tokens, traced vs untraced ($(left) s left)"
-python3 - "$W" "$OUT/tokens.json" "$(left)" <<'EOF'
-import json, os, subprocess, sys, time
-work, out, budget = sys.argv[1], sys.argv[2], float(sys.argv[3])
-start = time.monotonic()
-CHILD = """
-import json, sys
-from tracer.session import SessionConfig, run_session
-cfg = SessionConfig(**json.loads(sys.argv[1]))
-r = run_session(cfg)
-print("TOKENS" + json.dumps(r.outputs))
-"""
-cases = {
-    "TRITON_ATTN default graphs": ({"attention_backend": "TRITON_ATTN", "enforce_eager": False,
-                                    "cudagraph_mode": "FULL_AND_PIECEWISE"}, {}),
-    "FLEX_ATTENTION eager": ({"attention_backend": "FLEX_ATTENTION"}, {}),
-    "FLASH_ATTN HND eager": ({"attention_backend": "FLASH_ATTN"}, {"VLLM_KV_CACHE_LAYOUT": "HND"}),
-}
-try:
-    import flashinfer  # noqa: F401
-    cases["FLASHINFER eager"] = ({"attention_backend": "FLASHINFER"}, {})
-except Exception as exc:  # noqa: BLE001
-    print("FLASHINFER tokens: not run:", exc)
-results = {}
-for i, (name, (extra, env)) in enumerate(cases.items()):
-    got = {}
-    for traced in (True, False):
-        if time.monotonic() - start > budget - 40:
-            got["skipped"] = "time"
-            break
-        cfg = {"trace_dir": f"{work}/tok{i}-{traced}", "model": "tiny", "num_prompts": 4, "max_tokens": 8,
-               "layers": "all", "trace": traced, **extra}
-        proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], capture_output=True, text=True,
-                              env={**os.environ, **env}, timeout=max(30, budget - (time.monotonic() - start)))
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("TOKENS")), None)
-        got["traced" if traced else "untraced"] = json.loads(line[6:]) if line else proc.stderr[-1500:]
-    got["identical"] = got.get("traced") == got.get("untraced") and isinstance(got.get("traced"), list)
-    results[name] = got
-    print(f"{name}: tokens identical traced vs untraced: {got['identical']}")
-json.dump(results, open(out, "w"), indent=1)
-EOF
+[ "$(left)" -gt 60 ] && python3 scripts/device/tokens.py "$OUT/tokens.json" --budget-s "$(left)" \
+  "TRITON_ATTN default" "FLEX_ATTENTION eager" "FLASH_ATTN HND eager"
 echo "backends.sh: done in $(( $(date +%s) - START )) s; files: $(ls "$OUT" | tr '\n' ' ')"
 rm -rf "$W"
