@@ -31,7 +31,7 @@ W=$(mktemp -d /tmp/pt-backends-XXXX)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 
-NAMES=(h200-qwen2.5-7b-triton-default h200-qwen2.5-7b-flex-eager h200-qwen2.5-7b-hnd-eager)
+NAMES=(h200-qwen2.5-7b-hnd-eager h200-qwen2.5-7b-flex-eager h200-qwen2.5-7b-triton-default)
 if python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"; then
   NAMES+=(h200-qwen2.5-7b-flashinfer-eager)
 else
@@ -39,7 +39,7 @@ else
 fi
 
 echo "== 1. fixtures ($(left) s left)"
-timeout $(( $(left) - 200 )) python3 scripts/make_fixtures.py "$W/made" "${NAMES[@]}" --timeout 170
+timeout $(( $(left) - 100 )) python3 scripts/make_fixtures.py "$W/made" "${NAMES[@]}" --timeout 150
 cp "$W/made/replay.json" "$OUT/replay.json" 2>/dev/null || echo "no replay.json"
 mkdir -p "$W/fx"
 for n in "${NAMES[@]}"; do [ -f "$W/made/$n.tar" ] && tar -C "$W/fx" -xf "$W/made/$n.tar"; done
@@ -52,20 +52,20 @@ for t in "${TRACES[@]}"; do
 done
 
 echo "== 2. planted scale x1.02 ($(left) s left)"
-[ "$(left)" -gt 120 ] && timeout 120 python3 benchmarks/sensitivity.py "${TRACES[@]}" --mutations scale
+[ "$(left)" -gt 70 ] && timeout 60 python3 benchmarks/sensitivity.py "${TRACES[@]}" --mutations scale
 
 echo "== 3. vLLM's kernels ($(left) s left)" | tee "$OUT/backends-tables.txt"
 HND="$W/fx/h200-qwen2.5-7b-hnd-eager"
-if [ -d "$HND" ] && [ "$(left)" -gt 90 ]; then
+if [ -d "$HND" ] && [ "$(left)" -gt 50 ]; then
   for k in vllm:TRITON_ATTN vllm:FLASH_ATTN; do
     echo "-- replay hnd --kernel $k" | tee -a "$OUT/backends-tables.txt"
-    timeout 90 python3 -m pagedtrace replay "$HND" --kernel "$k" 2>&1 | tail -3 | tee -a "$OUT/backends-tables.txt"
+    timeout 40 python3 -m pagedtrace replay "$HND" --kernel "$k" 2>&1 | tail -3 | tee -a "$OUT/backends-tables.txt"
   done
 fi
 for t in "${TRACES[@]}"; do
-  [ "$(left)" -gt 100 ] || { echo "skipped backends on $(basename "$t"): time"; continue; }
+  [ "$(left)" -gt 50 ] || { echo "skipped backends on $(basename "$t"): time"; continue; }
   echo "-- backends $(basename "$t")" | tee -a "$OUT/backends-tables.txt"
-  timeout 120 python3 -m pagedtrace backends "$t" 2>&1 | grep -v "INFO\|WARNING" | tee -a "$OUT/backends-tables.txt"
+  timeout 45 python3 -m pagedtrace backends "$t" 2>&1 | grep -v "INFO\|WARNING" | tee -a "$OUT/backends-tables.txt"
 done
 
 echo "== 4. greedy tokens, traced vs untraced ($(left) s left)"
