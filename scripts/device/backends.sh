@@ -8,6 +8,7 @@
 # 3. runs vLLM's own kernels on the HND FlashAttention trace: replay --kernel vllm:TRITON_ATTN and
 #    vllm:FLASH_ATTN, then `pagedtrace backends` on every fixture;
 # 4. greedy tokens untraced, traced, untraced per backend (scripts/device/tokens.py, tiny preset).
+# PAGEDTRACE_BACKEND_FIXTURES (names of scripts/make_fixtures.py) picks the fixtures.
 # Writes into $OUT (5 files): backends.log (everything), fixtures.tar (the traces, for tests/fixtures/),
 # replay.json (the replays on this host), backends-tables.txt, tokens.json. Phases past the time budget
 # are skipped and said so in the log.
@@ -31,7 +32,8 @@ W=$(mktemp -d /tmp/pt-backends-XXXX)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 
-NAMES=(h200-qwen2.5-7b-hnd-eager h200-qwen2.5-7b-flex-eager h200-qwen2.5-7b-triton-default)
+# shellcheck disable=SC2206
+NAMES=(${PAGEDTRACE_BACKEND_FIXTURES:-h200-qwen2.5-7b-hnd-eager h200-qwen2.5-7b-flex-eager h200-qwen2.5-7b-triton-default})
 if python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"; then
   NAMES+=(h200-qwen2.5-7b-flashinfer-eager)
 else
