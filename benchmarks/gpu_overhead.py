@@ -97,7 +97,7 @@ class Workload:
 
 def batch_prompts(w: Workload, vocab_size: int) -> list[list[list[int]]]:
     """``w.batches`` lists of prompts: the same shared prefix, suffixes seeded per batch."""
-    from tracer.session import SessionConfig, make_prompts
+    from tracer.session_config import SessionConfig, make_prompts
 
     out: list[list[list[int]]] = []
     prefix: list[int] | None = None
@@ -118,7 +118,7 @@ def batch_prompts(w: Workload, vocab_size: int) -> list[list[list[int]]]:
 
 def warmup_prompts(w: Workload, vocab_size: int) -> list[list[int]]:
     """The untimed warm-up's prompts: short, no shared prefix (they warm the engine, not its cache)."""
-    from tracer.session import SessionConfig, make_prompts
+    from tracer.session_config import SessionConfig, make_prompts
 
     cfg = SessionConfig(
         trace_dir="unused",
@@ -184,8 +184,8 @@ def machine_name() -> str:
 def child(spec: dict[str, Any]) -> None:
     """Run one case (``spec``: workload, mode, case, trace dir, result file) and write its result."""
     import tracer
+    from tracer.models import resolve_model
     from tracer.random_weights import register_loader
-    from tracer.session import resolve_model
 
     w = Workload(**{**spec["workload"], "prompt_len": tuple(spec["workload"]["prompt_len"])})
     mode, case, trace_dir = spec["mode"], spec["case"], spec["trace_dir"]

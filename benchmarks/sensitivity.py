@@ -53,7 +53,8 @@ from reference_impl.replay import (
     step_inputs,
 )
 from tracer.format import SESSION, KVCacheSpec, StepRecord, Trace
-from tracer.format.metadata import check_record, known_tokens
+from tracer.format.metadata import check_record
+from tracer.format.requests import known_tokens
 from tracer.format.rows import QUERY_ROWS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"

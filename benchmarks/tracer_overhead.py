@@ -20,7 +20,8 @@ from pathlib import Path
 
 SNIPPET = """
 import json, sys
-from tracer.session import SessionConfig, run_session
+from tracer.session import run_session
+from tracer.session_config import SessionConfig
 cfg = SessionConfig(**json.loads(sys.argv[1]))
 r = run_session(cfg)
 print("RESULT=" + json.dumps({"generate_s": r.generate_s, "tokens": sum(map(len, r.outputs))}))

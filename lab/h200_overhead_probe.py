@@ -153,8 +153,9 @@ def main() -> None:
         ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(KNOWN_VARIANTS)})")
     sampler = _start_sampler(args.clocks) if args.clocks else None
     import tracer
+    from tracer.models import resolve_model
     from tracer.random_weights import register_loader
-    from tracer.session import SessionConfig, make_prompts, resolve_model
+    from tracer.session_config import SessionConfig, make_prompts
 
     register_loader()
     model_path, load_format, vocab, _ = resolve_model(args.model, Path(tempfile.mkdtemp()))

@@ -39,8 +39,9 @@ def main() -> int:
 
     import tracer
     from tracer.format import Trace, parse_layers
+    from tracer.models import resolve_model
     from tracer.random_weights import register_loader
-    from tracer.session import SessionConfig, make_prompts, resolve_model
+    from tracer.session_config import SessionConfig, make_prompts
 
     register_loader()
     model_path, load_format, vocab, max_len = resolve_model(args.model, Path(tempfile.mkdtemp()))

@@ -216,8 +216,9 @@ def free_port() -> int:
 
 
 def make_prompts(model: str, n: int, prompt_len: tuple[int, int], shared_prefix: int, seed: int) -> list[list[int]]:
-    """``n`` seeded token-id prompts with a shared prefix (``tracer.session.make_prompts``)."""
-    from tracer.session import SessionConfig, make_prompts, read_model_config
+    """``n`` seeded token-id prompts with a shared prefix (``tracer.session_config.make_prompts``)."""
+    from tracer.models import read_model_config
+    from tracer.session_config import SessionConfig, make_prompts
 
     vocab = int(read_model_config(model).get("vocab_size") or 32000)
     cfg = SessionConfig(
@@ -376,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve, load, check; 0 when every check passed, 1 when one failed, 2 on bad flags."""
     from pagedtrace.commands.preset import write_preset
-    from tracer.session import PRESETS
+    from tracer.models import PRESETS
 
     ap = build_parser()
     args = ap.parse_args(argv)

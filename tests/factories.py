@@ -102,7 +102,8 @@ def run_engine(
 #: Prints the generated tokens of the same session, optionally with the tracer pointed elsewhere.
 UNTRACED_SNIPPET = """
 import json, sys
-from tracer.session import SessionConfig, run_session
+from tracer.session import run_session
+from tracer.session_config import SessionConfig
 r = run_session(SessionConfig(trace_dir="unused", trace=False, num_prompts=4, prompt_len=(20, 90),
                               shared_prefix=64, max_tokens=12, seed=0))
 print("TOKENS=" + json.dumps(r.outputs))

@@ -14,7 +14,8 @@ on a machine without torch or vLLM.
 
 Rooms keep imports pointing down between packages; inside one, the import graph of the modules
 must have no cycle either (a lazy or ``TYPE_CHECKING`` import closes a circle as surely as a
-module-level one: it only hides it from the interpreter).
+module-level one: it only hides it from the interpreter). And no module of the packages is
+longer than :data:`MAX_MODULE_LINES`: a module that grows past it is cut along what its parts do.
 """
 
 from __future__ import annotations
@@ -346,6 +347,28 @@ def test_every_import_points_down():
 def test_no_module_imports_one_that_imports_it_back():
     cycles = import_cycles(tree_sources())
     assert not cycles, "import cycles (each module imports the next):\n" + "\n".join(cycles)
+
+
+#: The longest a module of the packages may be, in lines.
+MAX_MODULE_LINES = 500
+
+
+def modules_over_the_line_bar(sources: Mapping[str, str], limit: int = MAX_MODULE_LINES) -> list[str]:
+    """``path: N lines`` for each of ``sources`` (path -> text) longer than ``limit`` lines, longest first."""
+    lengths = {path: len(text.splitlines()) for path, text in sources.items()}
+    over = sorted((n, path) for path, n in lengths.items() if n > limit)
+    return [f"{path}: {n} lines" for n, path in reversed(over)]
+
+
+def test_no_module_is_over_the_line_bar():
+    over = modules_over_the_line_bar(tree_sources())
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (cut each along what its parts do):\n" + "\n".join(over)
+
+
+def test_the_line_bar_names_each_long_module():
+    sources = {"tracer/a.py": "x = 1\n" * 3, "tracer/b.py": "x = 1\n" * 5, "reports/c.py": "x = 1\n" * 4}
+    assert modules_over_the_line_bar(sources, limit=3) == ["tracer/b.py: 5 lines", "reports/c.py: 4 lines"]
+    assert modules_over_the_line_bar(sources, limit=5) == []
 
 
 def test_the_packages_are_all_checked():

@@ -149,7 +149,7 @@ from pathlib import Path
 
 import tracer
 from tracer.random_weights import register_loader
-from tracer.session import resolve_model
+from tracer.models import resolve_model
 
 register_loader()
 model, load_format, vocab, _ = resolve_model("tiny", Path(tempfile.mkdtemp()))

@@ -133,7 +133,8 @@ def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kw
     return vllms_forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 
 CPUAttentionBackendImpl.forward = forward  # before the tracer wraps it: the tracer sees vLLM's error
-from tracer.session import SessionConfig, SessionError, run_session
+from tracer.session import SessionError, run_session
+from tracer.session_config import SessionConfig
 
 try:
     run_session(SessionConfig(trace_dir=sys.argv[1], num_prompts=3, max_tokens=6, block_size=16))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tracer.gguf_model import GGUF_MODELS, GgufModel, gguf_path, packaged_model_dir, unpermute
-from tracer.session import read_model_config
+from tracer.models import read_model_config
 
 PRESET = "smollm2-135m"
 

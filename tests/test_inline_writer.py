@@ -262,7 +262,7 @@ def test_idle_off_starts_no_idle_thread_and_stop_still_hands_over():
 
 
 def test_the_idle_timer_fires_once_after_its_last_arming():
-    from tracer.handover import IdleTimer
+    from tracer.idle_timer import IdleTimer
 
     timer = IdleTimer()
     timer.arm(0.03)

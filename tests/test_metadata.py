@@ -18,7 +18,8 @@ from pagedtrace.cli import main
 from tests.conftest import FIXTURES
 from tests.factories import kv_spec, model_summary, run_info, scheduled_step, step_record
 from tracer.format import SESSION, MetadataCheck, MetadataProblem, ReplayReport, Trace
-from tracer.format.metadata import METADATA_CHECKS, check_record, check_records, expected_attention, known_tokens
+from tracer.format.metadata import METADATA_CHECKS, check_record, check_records, expected_attention
+from tracer.format.requests import known_tokens
 
 EAGER = FIXTURES / "h200-qwen2.5-7b-eager"
 PIECEWISE = FIXTURES / "h200-qwen2.5-7b-piecewise"

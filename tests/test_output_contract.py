@@ -182,7 +182,7 @@ def test_run_asks_vllms_default_graph_mode_unless_told():
 
     parser = build_parser()
     config = session_config(parser.parse_args(["run"]), Path("t"))
-    assert config.enforce_eager is None and config.cudagraph_mode is None  # tracer.session.is_eager decides
+    assert config.enforce_eager is None and config.cudagraph_mode is None  # tracer.session_config.is_eager decides
     assert session_config(parser.parse_args(["run", "--eager"]), Path("t")).enforce_eager is True
     assert session_config(parser.parse_args(["run", "--cudagraph-mode", "piecewise"]), Path("t")).enforce_eager is False
     sub = next(a for a in parser._actions if hasattr(a, "choices") and isinstance(a.choices, dict))

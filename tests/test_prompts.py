@@ -47,7 +47,7 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     from tracer.gguf_model import packaged_model_dir
-    from tracer.session import read_model_config
+    from tracer.models import read_model_config
 
     return AutoTokenizer.from_pretrained(packaged_model_dir("smollm2-135m", read_model_config("smollm2-135m")))
 

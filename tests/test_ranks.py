@@ -22,7 +22,7 @@ from reference_impl.replay import replay_trace
 from tests.conftest import fixture_path
 from tests.factories import split_ranks
 from tracer.format import Trace, TraceError
-from tracer.format.metadata import RANKS_CHECK
+from tracer.format.ranks import RANKS_CHECK
 
 #: Per-rank fields of a joined record; every other field is rank 0's.
 HEAD_FIELDS = ("num_heads", "num_kv_heads", "tensors", "tensor_names")

@@ -152,7 +152,8 @@ KILLED_SNIPPET = """
 import os, shutil, signal, sys
 import tracer.record_writer as sink
 from tracer.format import StepRecord
-from tracer.session import SessionConfig, run_session
+from tracer.session import run_session
+from tracer.session_config import SessionConfig
 
 class KillAfterFirstStep(sink.TraceWriter):
     snapshots = 0

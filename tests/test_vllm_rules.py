@@ -15,7 +15,8 @@ import pytest
 from tests.factories import kv_spec, model_summary, run_info, scheduled_step
 from tracer import vllm_rules
 from tracer.format import TraceWriter
-from tracer.session import SessionConfig, discard_unrecorded, is_eager, validate_config
+from tracer.session import discard_unrecorded
+from tracer.session_config import SessionConfig, is_eager, validate_config
 
 vllm = pytest.importorskip("vllm")
 

@@ -8,11 +8,11 @@ Two writers share one interface (``submit``, ``make_room``, ``drain``, ``close``
   process in one message (``tracer.record_writer``, ``tracer.record_process``). What is still
   queued when vLLM's loop runs out of work is handed over there, on the engine's thread
   (``tracer.install.ENGINE_IDLE_TARGETS``); where that loop runs in another process the writer
-  falls back to an idle thread that sleeps on a one-shot timer (:class:`IdleTimer`) each step
-  pushes :data:`IDLE_S` ahead, so it wakes only once steps stop. Why no writer thread: two
-  threads hand the GIL to each other several times a step, and each time the engine's thread
-  sleeps until the other lets go; here it pays the hand-over itself (tens of µs every few
-  steps) and never sleeps for it.
+  falls back to an idle thread that sleeps on a one-shot timer
+  (:class:`~tracer.idle_timer.IdleTimer`) each step pushes :data:`IDLE_S` ahead, so it wakes
+  only once steps stop. Why no writer thread: two threads hand the GIL to each other several
+  times a step, and each time the engine's thread sleeps until the other lets go; here it pays
+  the hand-over itself (tens of µs every few steps) and never sleeps for it.
 * :class:`WriterThread`, for a tensor trace: a thread waits for each slot's event (without the
   GIL), then turns it into records and copies its tensors to the host on a stream of its own.
 """
@@ -20,7 +20,6 @@ Two writers share one interface (``submit``, ``make_room``, ``drain``, ``close``
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -28,9 +27,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from tracer.idle_timer import IdleTimer
 from tracer.slots import Slot, SlotPool, record_event
 
-__all__ = ["HAND_OVER_EVERY", "IDLE_MODES", "IDLE_S", "IdleTimer", "InlineWriter", "WriterThread", "idle_mode"]
+__all__ = ["HAND_OVER_EVERY", "IDLE_MODES", "IDLE_S", "InlineWriter", "WriterThread", "idle_mode"]
 
 logger = logging.getLogger("pagedtrace")
 
@@ -125,61 +125,6 @@ def idle_mode(idle: str) -> str:
     if idle not in IDLE_MODES:
         raise ValueError(f"idle {idle!r}: expected one of {IDLE_MODES}")
     return idle
-
-
-class IdleTimer:
-    """A one-shot Linux ``timerfd`` (``CLOCK_MONOTONIC``), made and set through libc with ctypes.
-
-    :meth:`arm` sets it to fire ``seconds`` from now (arming again moves it: no wake-up, one
-    system call); :meth:`wait` sleeps in ``select`` without the GIL until it fires (True) or
-    ``timeout`` passes (False). Raises ``OSError`` where there is no ``timerfd`` (not Linux).
-    """
-
-    def __init__(self) -> None:
-        import ctypes
-        import ctypes.util
-
-        class _Timespec(ctypes.Structure):
-            _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-        class _Itimerspec(ctypes.Structure):
-            _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
-
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-            create, settime = libc.timerfd_create, libc.timerfd_settime
-        except (OSError, AttributeError) as exc:
-            raise OSError(f"no timerfd here: {exc}") from None
-        create.argtypes, create.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-        settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-        settime.restype = ctypes.c_int
-        fd = create(1, os.O_CLOEXEC | os.O_NONBLOCK)  # CLOCK_MONOTONIC; TFD_CLOEXEC / TFD_NONBLOCK are these
-        if fd < 0:
-            raise OSError(ctypes.get_errno(), "timerfd_create failed")
-        self.fd = fd
-        self._settime = settime
-        self._spec = _Itimerspec()  # it_interval 0: one-shot
-        self._address = ctypes.addressof(self._spec)
-
-    def arm(self, seconds: float) -> None:
-        value = self._spec.it_value
-        value.tv_sec, value.tv_nsec = divmod(max(1, int(seconds * 1e9)), 1_000_000_000)
-        self._settime(self.fd, 0, self._address, None)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        import select
-
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        if not ready:
-            return False
-        try:
-            os.read(self.fd, 8)  # the expirations count: reading it disarms the readiness
-        except BlockingIOError:
-            return False
-        return True
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 #: ``InlineWriter``: steps queued before the engine's thread hands them over, together, in one

@@ -35,7 +35,7 @@ PORT = 8000
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``preset``."""
-    from tracer.session import PRESETS
+    from tracer.models import PRESETS
 
     p = sub.add_parser(
         "preset",
@@ -62,7 +62,7 @@ def write_preset(name: str, model_dir: str | Path, *, force: bool = False, progr
         OSError: the directory cannot be written.
     """
     from pagedtrace.cli import UsageError
-    from tracer.session import PRESETS
+    from tracer.models import PRESETS
 
     if name not in PRESETS:
         raise UsageError(f"unknown preset {name!r}: use one of {', '.join(PRESETS)}")
@@ -85,7 +85,7 @@ def _write_converted(name: str, path: Path, *, force: bool, progress) -> Path:
     """Copy the converted model of preset ``name`` into ``path``; returns its ``config.json``."""
     from pagedtrace.cli import UsageError
     from tracer.gguf_model import RECORD, packaged_model_dir
-    from tracer.session import read_model_config
+    from tracer.models import read_model_config
 
     if path.exists() and not path.is_dir():
         raise UsageError(f"{path} exists and is not a directory")
@@ -110,7 +110,7 @@ def serve_recipe(name: str, model_dir: str, *, trace_dir: str = "serve-trace", p
     memory (a GPU build ignores it); ``--block-size 32`` because the CPU default of 128 puts a
     short prompt in one block, where prefix sharing cannot show.
     """
-    from tracer.session import PRESETS
+    from tracer.models import PRESETS
 
     dir_arg = shlex.quote(model_dir)
     text = bool(PRESETS[name].get("tokenizer"))

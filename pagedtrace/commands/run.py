@@ -24,7 +24,7 @@ from tracer.vllm_rules import (
 )
 
 if TYPE_CHECKING:
-    from tracer.session import SessionConfig
+    from tracer.session_config import SessionConfig
 
 #: vLLM's log level per ``--quiet`` / (neither) / ``--verbose``; the lines go to stderr.
 VLLM_LOG_LEVELS = {QUIET: "ERROR", 0: "WARNING", VERBOSE: "INFO"}
@@ -52,7 +52,7 @@ def _steps(text: str) -> tuple[int | None, int | None]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``run``."""
-    from tracer.session import PRESETS
+    from tracer.models import PRESETS
 
     presets = ", ".join(f"{k} ({v['about']})" for k, v in PRESETS.items())
     p = sub.add_parser(
@@ -189,9 +189,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
-    """The ``tracer.session.SessionConfig`` that ``run``'s arguments ask for, tracing into ``out``."""
+    """The ``tracer.session_config.SessionConfig`` that ``run``'s arguments ask for, tracing into ``out``."""
     from tracer.prompts import read_prompts_file
-    from tracer.session import SessionConfig
+    from tracer.session_config import SessionConfig
 
     texts = [*args.prompt, *(read_prompts_file(args.prompts_file) if args.prompts_file else [])]
     return SessionConfig(
@@ -228,11 +228,12 @@ def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
 def run(args: argparse.Namespace, console: Console) -> int:
     """Check the arguments, run the session with progress bars (stderr), then print the summary (stdout).
 
-    Every argument is checked before the engine starts (``tracer.session.validate_config``):
+    Every argument is checked before the engine starts (``tracer.session_config.validate_config``):
     a wrong one is one line and exit 2, with no directory created.
     """
     from pagedtrace.cli import EXIT_INTERRUPTED, UsageError
-    from tracer.session import SessionError, run_session, validate_config
+    from tracer.session import SessionError, run_session
+    from tracer.session_config import validate_config
 
     out = Path(args.out)
     try:

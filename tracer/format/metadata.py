@@ -38,7 +38,7 @@ included. Each compares what vLLM handed attention with what it must be:
     record's window is at most the group's, so it never reads outside its window), and its
     table points no position inside the group's window of any query of the row at the null
     block (vLLM's ``SlidingWindowManager`` gives back only blocks wholly before it).
-``ranks`` (:data:`RANKS_CHECK`, a tensor-parallel trace only)
+``ranks`` (:data:`tracer.format.ranks.RANKS_CHECK`, a tensor-parallel trace only)
     Every rank recorded the same metadata as rank 0 for the step (``Trace.disagreements``,
     :mod:`tracer.format.ranks`); a record or gap only some ranks have is a problem too.
 
@@ -47,68 +47,30 @@ Standard library only: runs where neither torch nor vLLM is installed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
+from tracer.format.findings import Findings
 from tracer.format.groups import TraceGroups, trace_groups
+from tracer.format.ranks import rank_checks
 from tracer.format.records import KVCacheSpec, RunInfo, StepRecord
-from tracer.format.requests import session_id_of
+from tracer.format.requests import Tokens, known_tokens, session_id_of
 from tracer.format.selection import layer_index
 from tracer.format.store import SESSION, Trace
-from tracer.format.verdicts import MetadataCheck, MetadataProblem
+from tracer.format.verdicts import MetadataCheck
 
 __all__ = [
-    "MAX_PROBLEMS",
     "METADATA_CHECKS",
-    "RANKS_CHECK",
     "check_record",
     "check_records",
     "expected_attention",
-    "known_tokens",
 ]
 
 #: The checks, in the order they are reported.
 METADATA_CHECKS = ("lengths", "slots", "blocks", "shared", "flags", "groups")
-#: The check a tensor-parallel trace adds after them: the ranks' parts agree.
-RANKS_CHECK = "ranks"
-#: Problems kept per check (``num_problems`` counts all of them).
-MAX_PROBLEMS = 8
 #: vLLM's null block: the placeholder id for "no block here".
 NULL_BLOCK = 0
 #: Architecture suffixes of decoder-only models: their attention is causal.
 _DECODER_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
-
-#: Request id -> its tokens (prompt, then generated), as ``session.json`` records them.
-Tokens = Mapping[str, Sequence[int]]
-
-
-class _Findings:
-    """Collects one check's problems; :meth:`done` makes the record."""
-
-    def __init__(self, record: StepRecord, check: str):
-        self.record, self.check = record, check
-        self.problems: list[MetadataProblem] = []
-        self.count = 0
-        self.checked = 0
-
-    def add(self, message: str, row: int | None = None, position: int | None = None, token: int | None = None):
-        self.count += 1
-        if len(self.problems) < MAX_PROBLEMS:
-            self.problems.append(MetadataProblem(message, row, position, token))
-
-    def done(self, note: str = "") -> MetadataCheck:
-        r = self.record
-        return MetadataCheck(
-            step=r.step,
-            layer=r.layer,
-            kind=r.kind,
-            check=self.check,
-            ok=self.count == 0,
-            checked=self.checked,
-            num_problems=self.count,
-            problems=tuple(self.problems),
-            note=note,
-        )
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -126,7 +88,7 @@ def _rows(record: StepRecord) -> list[tuple[int, int, int, int]]:
 
 
 def _check_lengths(record: StepRecord, model_len: int | None) -> MetadataCheck:
-    f = _Findings(record, "lengths")
+    f = Findings(record, "lengths")
     qsl, lens, n = record.query_start_loc, record.seq_lens, record.num_actual_tokens
     f.checked = len(lens)
     if len(qsl) != len(lens) + 1:
@@ -159,7 +121,7 @@ def _check_lengths(record: StepRecord, model_len: int | None) -> MetadataCheck:
 
 
 def _check_slots(record: StepRecord, bs: int) -> MetadataCheck:
-    f = _Findings(record, "slots")
+    f = Findings(record, "slots")
     sm, padding = record.slot_mapping, 0
     owner: dict[int, int] = {}
     for r, first, q, seq_len in _rows(record):
@@ -200,7 +162,7 @@ def _first_read_position(record: StepRecord, q: int, seq_len: int) -> int:
 
 
 def _check_blocks(record: StepRecord, spec: KVCacheSpec) -> MetadataCheck:
-    f = _Findings(record, "blocks")
+    f = Findings(record, "blocks")
     bs, nb = spec.block_size, spec.num_blocks
     nulls = 0
     for r, _first, q, seq_len in _rows(record):
@@ -234,7 +196,7 @@ def _check_blocks(record: StepRecord, spec: KVCacheSpec) -> MetadataCheck:
     return f.done("; ".join(n for n in notes if n))
 
 
-def _check_pages(record: StepRecord, bs: int, f: _Findings) -> str:
+def _check_pages(record: StepRecord, bs: int, f: Findings) -> str:
     """FlashInfer's page table against the block table (see the module docstring); a note."""
     if record.use_cascade:
         return "FlashInfer's pages not compared: a cascade step's leave out the shared prefix"
@@ -275,7 +237,7 @@ def _request_tokens(request_id: str, tokens: Tokens | None) -> Sequence[int] | N
 
 
 def _check_shared(record: StepRecord, bs: int, tokens: Tokens | None) -> MetadataCheck:
-    f = _Findings(record, "shared")
+    f = Findings(record, "shared")
     where: dict[int, list[tuple[int, int, int]]] = {}  # block -> (row, logical index, seq_len)
     for r, _first, _q, seq_len in _rows(record):
         row = record.block_table[r] if r < len(record.block_table) else ()
@@ -349,7 +311,7 @@ def expected_attention(run: RunInfo | None, layer: str) -> tuple[tuple[int, int]
 
 
 def _check_flags(record: StepRecord, spec: KVCacheSpec, run: RunInfo | None) -> MetadataCheck:
-    f = _Findings(record, "flags")
+    f = Findings(record, "flags")
     model = run.model if run is not None else None
     notes: list[str] = []
     if model is not None and any(a.endswith(_DECODER_SUFFIXES) for a in model.architectures):
@@ -388,7 +350,7 @@ def _check_flags(record: StepRecord, spec: KVCacheSpec, run: RunInfo | None) -> 
 def _check_groups(
     record: StepRecord, spec: KVCacheSpec, groups: TraceGroups | None, group_table: StepRecord | None
 ) -> MetadataCheck:
-    f = _Findings(record, "groups")
+    f = Findings(record, "groups")
     group = groups.of_record(record) if groups is not None else None
     if groups is None or group is None:
         why = groups.source if groups is not None else "not recorded"
@@ -448,7 +410,7 @@ def check_record(
         record: the step's metadata (tensors are not read).
         spec: the trace's KV-cache spec (block size, pool size, heads).
         run: the manifest, for the model config; None checks what needs no model.
-        tokens: request id -> tokens (:func:`known_tokens`); None: prompts unknown.
+        tokens: request id -> tokens (:func:`tracer.format.requests.known_tokens`); None: prompts unknown.
         groups: the trace's KV-cache groups (:func:`tracer.format.groups.trace_groups`); None: unknown.
         group_table: another record of the same step and group, whose table this one must equal.
     """
@@ -463,36 +425,13 @@ def check_record(
     )
 
 
-def known_tokens(session: Any) -> dict[str, tuple[int, ...]] | None:
-    """Request id -> prompt + generated tokens, from ``session.json``'s object; None if it has none.
-
-    ``pagedtrace run`` writes ``prompts``, ``outputs`` and ``request_ids`` in the same order.
-    A session without them (or of another shape) means the prompts are unknown.
-    """
-    if not isinstance(session, dict):
-        return None
-    prompts, outputs, ids = session.get("prompts"), session.get("outputs"), session.get("request_ids")
-    if not (isinstance(prompts, list) and isinstance(ids, list) and len(prompts) == len(ids)):
-        return None
-    if not isinstance(outputs, list) or len(outputs) != len(ids):
-        outputs = [[] for _ in ids]
-    out: dict[str, tuple[int, ...]] = {}
-    for rid, prompt, generated in zip(ids, prompts, outputs, strict=True):
-        if not isinstance(prompt, list) or not isinstance(generated, list):
-            return None
-        if not all(type(t) is int for t in (*prompt, *generated)):
-            return None  # not token ids (a float, a string, infinity): the prompts are unknown
-        out[str(rid)] = (*prompt, *generated)
-    return out
-
-
 def check_records(trace: Trace, records: Iterable[StepRecord]) -> tuple[MetadataCheck, ...]:
     """:func:`check_record` for each of ``records`` of ``trace``, prompts from its ``session.json``.
 
     A trace without a KV-cache spec in its manifest gets no metadata checks (nothing to
     hold the block ids against): the result is empty.
 
-    A tensor-parallel trace adds a :data:`RANKS_CHECK` per record, and one per disagreement
+    A tensor-parallel trace adds a ``ranks`` check per record, and one per disagreement
     at a (step, layer) that has no joined record (a gap, a record rank 0 lacks) in a step of
     ``records``.
     """
@@ -510,25 +449,5 @@ def check_records(trace: Trace, records: Iterable[StepRecord]) -> tuple[Metadata
         other = first.setdefault(key, r) if key is not None else None
         out.extend(check_record(r, spec, trace.run, tokens, groups, other if other is not r else None))
     if trace.ranks:
-        out.extend(_check_ranks(trace, records))
+        out.extend(rank_checks(trace, records))
     return tuple(out)
-
-
-def _check_ranks(trace: Trace, records: Sequence[StepRecord]) -> list[MetadataCheck]:
-    by_key: dict[tuple[int, str], list[Any]] = {}
-    for d in trace.disagreements:
-        by_key.setdefault((d.step, d.layer), []).append(d)
-    out = []
-    for r in records:
-        f = _Findings(r, RANKS_CHECK)
-        f.checked = len(trace.ranks) - 1
-        for d in by_key.pop((r.step, r.layer), ()):
-            f.add(d.message)
-        out.append(f.done())
-    steps = {r.step for r in records}
-    joined = {(r.step, r.layer) for r in trace.records}
-    for (step, layer), found in sorted(by_key.items()):
-        if step in steps and (step, layer) not in joined:
-            problems = tuple(MetadataProblem(d.message) for d in found[:MAX_PROBLEMS])
-            out.append(MetadataCheck(step, layer, found[0].kind, RANKS_CHECK, False, len(found), len(found), problems))
-    return out

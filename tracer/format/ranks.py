@@ -35,7 +35,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tracer.format.errors import TraceError
+from tracer.format.findings import Findings
 from tracer.format.records import GapRecord, KVCacheSpec, RunInfo, StepRecord, TensorParallel
+from tracer.format.verdicts import MAX_PROBLEMS, MetadataCheck, MetadataProblem
 from tracer.format.writelog import NotInWriteLog
 
 if TYPE_CHECKING:
@@ -44,12 +46,14 @@ if TYPE_CHECKING:
 __all__ = [
     "HEAD_TENSORS",
     "KV_HEAD_TENSORS",
+    "RANKS_CHECK",
     "Joined",
     "RankDisagreement",
     "RanksDisagree",
     "join",
     "join_tensors",
     "kv_ranks",
+    "rank_checks",
     "rank_dir",
     "rank_of_head",
 ]
@@ -58,6 +62,8 @@ __all__ = [
 HEAD_TENSORS = {"query": 1, "output": 1}
 #: Tensors with a KV-head dimension: name -> that dimension.
 KV_HEAD_TENSORS = {"key": 1, "value": 1, "kv_written": 2, "kv_blocks": 1, "kv_new_blocks": 1}
+#: The metadata check a tensor-parallel trace adds (:func:`rank_checks`): the ranks' parts agree.
+RANKS_CHECK = "ranks"
 #: Record fields that differ between ranks by design (each holds its own heads and tensor file).
 PER_RANK_FIELDS = frozenset({"num_heads", "num_kv_heads", "alibi_slopes", "sinks", "tensors", "tensor_names"})
 
@@ -274,4 +280,30 @@ def join_tensors(
                 if t[name].shape != first.shape or not torch.equal(t[name], first):
                     raise RanksDisagree(f"{where}: tensor {name} of rank {rank} differs from rank 0's")
             out[name] = first
+    return out
+
+
+def rank_checks(trace: Any, records: Sequence[StepRecord]) -> list[MetadataCheck]:
+    """Replay's :data:`RANKS_CHECK` of a tensor-parallel ``trace`` (a joined ``Trace``), over ``records``.
+
+    One check per record, failing with each of its :class:`RankDisagreement`; and one failing
+    check per (step, layer) of a step of ``records`` that disagrees but has no joined record (a
+    gap, a record rank 0 lacks).
+    """
+    by_key: dict[tuple[int, str], list[Any]] = {}
+    for d in trace.disagreements:
+        by_key.setdefault((d.step, d.layer), []).append(d)
+    out = []
+    for r in records:
+        f = Findings(r, RANKS_CHECK)
+        f.checked = len(trace.ranks) - 1
+        for d in by_key.pop((r.step, r.layer), ()):
+            f.add(d.message)
+        out.append(f.done())
+    steps = {r.step for r in records}
+    joined = {(r.step, r.layer) for r in trace.records}
+    for (step, layer), found in sorted(by_key.items()):
+        if step in steps and (step, layer) not in joined:
+            problems = tuple(MetadataProblem(d.message) for d in found[:MAX_PROBLEMS])
+            out.append(MetadataCheck(step, layer, found[0].kind, RANKS_CHECK, False, len(found), len(found), problems))
     return out

@@ -8,19 +8,33 @@ has no tokens, and what needs them says so.
 
 The prefix-cache explainer (:mod:`tracer.format.prefix`), the trace diff
 (:mod:`tracer.format.diff`) and the timeline (:mod:`tracer.format.timeline`) read traces
-through here. Standard library only.
+through here; the metadata checks (:mod:`tracer.format.metadata`) and the block words
+(:mod:`tracer.format.words`) read each request's tokens (:func:`known_tokens`). Standard
+library only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tracer.format.records import StepRecord, TraceError
 from tracer.format.store import SESSION, Trace
 
-__all__ = ["Appearance", "RequestView", "request_layer", "request_views", "session_id_of", "session_tokens"]
+__all__ = [
+    "Appearance",
+    "RequestView",
+    "Tokens",
+    "known_tokens",
+    "request_layer",
+    "request_views",
+    "session_id_of",
+    "session_tokens",
+]
+
+#: Request id -> its tokens (prompt, then generated), as ``session.json`` records them.
+Tokens = Mapping[str, Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,29 @@ def session_id_of(request_id: str, session_ids: Collection[str]) -> str | None:
         return request_id
     head, sep, _suffix = request_id.rpartition("-")
     return head if sep and head in session_ids else None
+
+
+def known_tokens(session: Any) -> dict[str, tuple[int, ...]] | None:
+    """Request id -> prompt + generated tokens, from ``session.json``'s object; None if it has none.
+
+    ``pagedtrace run`` writes ``prompts``, ``outputs`` and ``request_ids`` in the same order.
+    A session without them (or of another shape) means the prompts are unknown.
+    """
+    if not isinstance(session, dict):
+        return None
+    prompts, outputs, ids = session.get("prompts"), session.get("outputs"), session.get("request_ids")
+    if not (isinstance(prompts, list) and isinstance(ids, list) and len(prompts) == len(ids)):
+        return None
+    if not isinstance(outputs, list) or len(outputs) != len(ids):
+        outputs = [[] for _ in ids]
+    out: dict[str, tuple[int, ...]] = {}
+    for rid, prompt, generated in zip(ids, prompts, outputs, strict=True):
+        if not isinstance(prompt, list) or not isinstance(generated, list):
+            return None
+        if not all(type(t) is int for t in (*prompt, *generated)):
+            return None  # not token ids (a float, a string, infinity): the prompts are unknown
+        out[str(rid)] = (*prompt, *generated)
+    return out
 
 
 def _session_index(request_id: str, session_ids: list[str]) -> int | None:

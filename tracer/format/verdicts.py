@@ -25,6 +25,7 @@ from tracer.format.records import TraceError
 from tracer.format.version import FORMAT_VERSION
 
 __all__ = [
+    "MAX_PROBLEMS",
     "AttentionVerdict",
     "HeadResult",
     "LegacyCheck",
@@ -254,6 +255,10 @@ class LegacyCheck:
         )
 
 
+#: Problems a :class:`MetadataCheck` keeps (its ``num_problems`` counts all of them).
+MAX_PROBLEMS = 8
+
+
 @dataclass(frozen=True)
 class MetadataProblem:
     """One thing a metadata check found wrong: where (row, position, token) and what differed."""
@@ -296,7 +301,7 @@ class MetadataCheck:
     check: str  #: one of ``METADATA_CHECKS``
     ok: bool
     checked: int  #: items compared (tokens, rows, blocks, flags)
-    num_problems: int = 0  #: every problem found; ``problems`` keeps the first few
+    num_problems: int = 0  #: every problem found; ``problems`` keeps the first :data:`MAX_PROBLEMS`
     problems: tuple[MetadataProblem, ...] = ()
     note: str = ""  #: what could not be compared and why (e.g. ``prompts unknown``)
 

@@ -17,8 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tracer.format.metadata import known_tokens
-from tracer.format.requests import session_id_of
+from tracer.format.requests import known_tokens, session_id_of
 from tracer.format.store import SESSION, Trace
 
 __all__ = ["SNIPPET_CHARS", "Words", "snippet", "visible"]
