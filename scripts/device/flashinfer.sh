@@ -38,7 +38,8 @@ fi
 for traced in 1 0; do
   python3 - "$W/tok$traced" "$traced" <<'PY' | tee -a "$OUT/tokens.txt"
 import json, sys
-from tracer.session import SessionConfig, run_session
+from tracer.session import run_session
+from tracer.session_config import SessionConfig
 r = run_session(SessionConfig(trace_dir=sys.argv[1], model="tiny", num_prompts=4, max_tokens=8, layers="all",
                               trace=sys.argv[2] == "1", attention_backend="FLASHINFER"))
 print("TOKENS traced" if sys.argv[2] == "1" else "TOKENS untraced", json.dumps(r.outputs))

@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 from tracer.gguf_model import convert_gguf
-from tracer.session import read_model_config
+from tracer.models import read_model_config
 
 convert_gguf(Path("/tmp/smollm2.gguf"), read_model_config("smollm2-135m"), Path(sys.argv[1]))
 PY

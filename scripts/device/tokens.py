@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json, sys
-from tracer.session import SessionConfig, run_session
+from tracer.session import run_session
+from tracer.session_config import SessionConfig
 r = run_session(SessionConfig(**json.loads(sys.argv[1])))
 print("TOKENS" + json.dumps(r.outputs))
 """

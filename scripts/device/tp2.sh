@@ -50,7 +50,8 @@ PY
 cat > "$OUT/untraced.py" <<'PY'
 import json, sys
 from pathlib import Path
-from tracer.session import SessionConfig, run_session
+from tracer.session import run_session
+from tracer.session_config import SessionConfig
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
