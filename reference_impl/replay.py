@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 
@@ -79,6 +80,7 @@ __all__ = [
     "LAYOUT_CPU_AMX",
     "LEGACY_EVERY",
     "REFERENCE_DTYPE",
+    "REPLAY_THREADS",
     "TOLERANCE",
     "TOL_EPS",
     "TOL_K",
@@ -108,6 +110,24 @@ __all__ = [
 
 #: :func:`replay_trace` runs the legacy round trip on every this-many-th record (and the first and last).
 LEGACY_EVERY = 16
+
+#: torch's intra-op threads while :func:`replay_trace` runs (the caller's count is restored after).
+#: A step's tensors are small: on a 2-core machine a second thread costs more in hand-offs than
+#: it saves, and far more when another process holds a core. The fast reference's decode chunks,
+#: hence the last bits of its sums, follow the thread count (:mod:`reference_impl.fast`): one
+#: thread gives the verdicts of ``tests/gold/replay-verdicts.json`` whatever the caller set.
+REPLAY_THREADS = 1
+
+
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """Run the body with ``threads`` torch intra-op threads, then restore the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def replay_record(
@@ -321,36 +341,37 @@ def replay_trace(
     results: list[StepResult] = []
     writes: list[WriteCheck] = []
     legacies: list[LegacyCheck] = []
-    for done, record in enumerate(with_tensors, 1):
-        try:
-            tensors = trace.tensors(record)
-        except NotInWriteLog as exc:
-            # The write log cannot give this step's blocks (a record or file changed, a block never
-            # logged): the step cannot be shown to match, so it fails, saying why.
-            results.append(unreplayable(record, str(exc)))
+    with _torch_threads(REPLAY_THREADS):
+        for done, record in enumerate(with_tensors, 1):
+            try:
+                tensors = trace.tensors(record)
+            except NotInWriteLog as exc:
+                # The write log cannot give this step's blocks (a record or file changed, a block never
+                # logged): the step cannot be shown to match, so it fails, saying why.
+                results.append(unreplayable(record, str(exc)))
+                if progress is not None:
+                    progress(done, len(with_tensors), results[-1])
+                continue
+            result, legacy = replay_record(
+                record,
+                tensors,
+                spec,
+                read_layout,
+                kernel=kernel,
+                check_legacy=done - 1 in legacy_at,
+                flash_attn_version=trace.run.flash_attn_version,
+                emulation=emulation,
+                device=device,
+            )
+            results.append(result)
+            if legacy is not None:
+                legacies.append(legacy)
+            if check_write:
+                write = check_write_path(record, tensors, spec, read_layout)
+                if write is not None:
+                    writes.append(write)
             if progress is not None:
-                progress(done, len(with_tensors), results[-1])
-            continue
-        result, legacy = replay_record(
-            record,
-            tensors,
-            spec,
-            read_layout,
-            kernel=kernel,
-            check_legacy=done - 1 in legacy_at,
-            flash_attn_version=trace.run.flash_attn_version,
-            emulation=emulation,
-            device=device,
-        )
-        results.append(result)
-        if legacy is not None:
-            legacies.append(legacy)
-        if check_write:
-            write = check_write_path(record, tensors, spec, read_layout)
-            if write is not None:
-                writes.append(write)
-        if progress is not None:
-            progress(done, len(with_tensors), result)
+                progress(done, len(with_tensors), result)
     return ReplayReport(
         kernel=kernel,
         layout=read_layout,
