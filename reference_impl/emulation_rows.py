@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from reference_impl.common import cdiv
-from reference_impl.gathered import visibility
+from reference_impl.gathered import batched_bmm, visibility
 
 __all__ = ["FP8_MAX_OFFSET", "StepRounding", "convert_kv", "emulate_decode", "emulate_sequence", "probabilities"]
 
@@ -41,7 +41,7 @@ MAX_SCORE_ELEMS = 1 << 24
 
 #: Gathered K elements (one of K/V, fp32) of one batch of decode rows: rows of one length are
 #: taken this many elements at a time, so that a batch stays near the CPU's caches.
-MAX_DECODE_ELEMS = 1 << 20
+MAX_DECODE_ELEMS = 1 << 18
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,30 +160,6 @@ def emulate_sequence(
     return out
 
 
-def batched_bmm(x: torch.Tensor, y: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """``x [r, h, g, c] @ y[r]`` per row and KV head, with the matrices the per-sequence ``einsum`` multiplies.
-
-    Args:
-        x: ``[r, h, g, c]``, contiguous.
-        y: ``[r, n, h, e]``, token rows ``h * e`` apart; with ``transpose`` the logits
-            (``"rhgd,rnhd->rhgn"``, ``c = e = d``), else ``p @ v`` (``"rhgn,rnhd->rhgd"``, ``c = n``).
-
-    Returns:
-        ``[r, h, g, n]`` or ``[r, h, g, d]``.
-
-    A row's matrices are read in place, as the per-sequence call reads them. One batched call
-    per KV head covers all rows, except where that call would not be a batch of matrices as the
-    per-sequence one is (one KV head: MKL's single-matrix product; one row: its batch of heads):
-    MKL's batched and single products may round differently.
-    """
-    rows, heads = x.shape[0], x.shape[1]
-    if heads == 1 or rows == 1:
-        per_row = (y[i].permute(1, 2, 0) if transpose else y[i].permute(1, 0, 2) for i in range(rows))
-        return torch.stack([torch.bmm(x[i], yi) for i, yi in enumerate(per_row)])
-    per_head = (y[:, :, j].transpose(1, 2) if transpose else y[:, :, j] for j in range(heads))
-    return torch.stack([torch.bmm(x[:, j], yj) for j, yj in enumerate(per_head)], dim=1)
-
-
 def emulate_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -210,10 +186,20 @@ def emulate_decode(
     left = r.window[0]
     order = sorted(range(len(decode)), key=lambda i: decode[i][2])
     query = query.index_select(0, torch.tensor([decode[i][1] for i in order])).to(torch.float32)
+    # Every row's blocks, in that order, read through one buffer per cache: fresh tensors per
+    # batch would cost page faults on every call.
+    flat: list[int] = []
+    first_block = [0]
+    for i in order:
+        flat += table[decode[i][0]][: cdiv(decode[i][2], block_size)]
+        first_block.append(len(flat))
+    ids = torch.tensor(flat, dtype=torch.long)
+    widest = max(first_block[x + 1] - first_block[x] for x in range(len(order)))
+    rows_per_batch = max(1, MAX_DECODE_ELEMS // (widest * block_size * h * d))
+    raw = [torch.empty((rows_per_batch * widest, *c.shape[1:]), dtype=c.dtype) for c in (key_cache, value_cache)]
     parts = []
     for seq_len, same in itertools.groupby(range(len(order)), key=lambda x: decode[order[x]][2]):
         members = list(same)
-        num_blocks = cdiv(seq_len, block_size)
         k_pos = torch.arange(seq_len)
         q_pos = k_pos[-1:]
         # A lone query at seq_len - 1 sees every key but those left of a sliding window.
@@ -222,12 +208,13 @@ def emulate_decode(
             if left < 0 or seq_len - 1 <= left
             else visibility(q_pos[None], k_pos[None], None, r.causal, r.window)[0]
         )
-        step = max(1, MAX_DECODE_ELEMS // (seq_len * h * d))
-        for lo in range(members[0], members[-1] + 1, step):
-            hi = min(members[-1] + 1, lo + step)
-            ids = torch.tensor([table[decode[order[x]][0]][:num_blocks] for x in range(lo, hi)]).view(-1)
-            k = key_cache.index_select(0, ids).view(hi - lo, -1, h, d)[:, :seq_len]  # [r, n, h, d]
-            v = value_cache.index_select(0, ids).view(hi - lo, -1, h, d)[:, :seq_len]
+        for lo in range(members[0], members[-1] + 1, rows_per_batch):
+            hi = min(members[-1] + 1, lo + rows_per_batch)
+            batch_ids = ids[first_block[lo] : first_block[hi]]
+            k, v = (
+                torch.index_select(c, 0, batch_ids, out=buf[: len(batch_ids)]).view(hi - lo, -1, h, d)[:, :seq_len]
+                for c, buf in zip((key_cache, value_cache), raw, strict=True)
+            )  # [r, n, h, d]
             k, v = convert_kv(k, v, r)
             q = query[lo:hi].view(hi - lo, h, g, d)
             s = batched_bmm(q, k, transpose=True)  # "rhgd,rnhd->rhgn"
