@@ -231,10 +231,18 @@ def kv_to_cpu_amx(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.T
     _check_kv_pair(key_cache, value_cache)
     nb, bs, nh, d = key_cache.shape
     check_amx_shape(bs, d)
-    key = key_cache.reshape(nb, bs // 16, 16, nh, d // 2, 2).permute(0, 3, 1, 4, 2, 5)
+    region = torch.empty(nb, nh, 2 * bs * d, dtype=key_cache.dtype)
+    # Each half is written in place; K's dim pairs move as one integer each (see cpu_amx_to_kv).
+    pair = _PAIR_OF_SIZE.get(key_cache.element_size())
+    if pair is not None:
+        key = key_cache.contiguous().view(pair).reshape(nb, bs // 16, 16, nh, d // 2).permute(0, 3, 1, 4, 2)
+        region[..., : bs * d].view(pair).view(nb, nh, bs // 16, d // 2, 16).copy_(key)
+    else:
+        key = key_cache.reshape(nb, bs // 16, 16, nh, d // 2, 2).permute(0, 3, 1, 4, 2, 5)
+        region[..., : bs * d].view(nb, nh, bs // 16, d // 2, 16, 2).copy_(key)
     value = value_cache.reshape(nb, bs // 2, 2, nh, d // 16, 16).permute(0, 3, 4, 1, 5, 2)
-    region = torch.cat([key.reshape(nb, nh, -1), value.reshape(nb, nh, -1)], dim=-1)
-    return _packed(region.reshape(nb, nh, bs, 2 * d))
+    region[..., bs * d :].view(nb, nh, d // 16, bs // 2, 16, 2).copy_(value)
+    return region.view(nb, nh, bs, 2 * d)
 
 
 def cpu_layout_for(dtype: torch.dtype, block_size: int, head_size: int, amx_supported: bool) -> str:
