@@ -97,13 +97,13 @@ def convert_kv(k: torch.Tensor, v: torch.Tensor, r: StepRounding) -> tuple[torch
 
 
 def probabilities(
-    s: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, visible: torch.Tensor | None, r: StepRounding
+    s: torch.Tensor, distance: torch.Tensor | None, visible: torch.Tensor | None, r: StepRounding
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits ``s [..., h, g, t, n]`` (fp32 sums) -> ``(P as P·V takes it, row sum [..., h, g, t])``.
 
-    ``q_pos [t]`` and ``k_pos [n]`` are absolute positions and ``visible [t, n]``
-    (:func:`reference_impl.gathered.visibility`; None: every key) the mask, the same for every
-    leading index.
+    ``distance [t, n]``, ``|query position - key position|`` in fp32 (needed with ALiBi only),
+    and the mask ``visible [t, n]`` (:func:`reference_impl.gathered.visibility`; None: every
+    key) are the same for every leading index.
     """
     if r.softcap > 0:
         t = torch.tanh(s * (r.score_scale / r.softcap))
@@ -111,7 +111,7 @@ def probabilities(
     else:
         s = s * r.score_scale
     if r.alibi_slopes is not None:
-        distance = (q_pos[:, None] - k_pos[None, :]).abs().to(torch.float32)
+        assert distance is not None
         s = s - r.alibi_slopes.to(torch.float32).view(r.num_kv_heads, r.group, 1, 1) * distance
     if visible is not None:
         s = s.masked_fill(~visible, -math.inf)
@@ -119,7 +119,9 @@ def probabilities(
     if r.sinks is not None:
         m = torch.maximum(m, r.sinks.to(torch.float32).view(r.num_kv_heads, r.group, 1))
     m = torch.where(torch.isinf(m), 0.0, m)
-    p = torch.exp(s - m[..., None]) * r.p_offset
+    p = torch.exp(s - m[..., None])
+    if r.p_offset != 1.0:  # x * 1 is x, to the bit
+        p = p * r.p_offset
     row_sum = p.sum(dim=-1)
     if r.sinks is not None:
         row_sum = row_sum + torch.exp(r.sinks.to(torch.float32).view(r.num_kv_heads, r.group, 1) - m) * r.p_offset
@@ -153,7 +155,8 @@ def emulate_sequence(
         q_pos = torch.arange(seq_len - q_len + t0, seq_len - q_len + t1)
         s = torch.einsum("thgd,nhd->hgtn", q, k)  # fp32 sums, [h, g, t, n]
         visible = visibility(q_pos[None], k_pos[None], None, r.causal, r.window)[0]  # [t, n]
-        p_op, row_sum = probabilities(s, q_pos, k_pos, visible, r)
+        distance = (q_pos[:, None] - k_pos[None, :]).abs().to(torch.float32) if r.alibi_slopes is not None else None
+        p_op, row_sum = probabilities(s, distance, visible, r)
         acc = torch.einsum("hgtn,nhd->hgtd", p_op, v)
         o = normalise(acc, row_sum, r)
         out[t0:t1] = o.permute(2, 0, 1, 3).reshape(t1 - t0, r.num_heads, r.head_size)
@@ -200,13 +203,15 @@ def emulate_decode(
     parts = []
     for seq_len, same in itertools.groupby(range(len(order)), key=lambda x: decode[order[x]][2]):
         members = list(same)
-        k_pos = torch.arange(seq_len)
-        q_pos = k_pos[-1:]
         # A lone query at seq_len - 1 sees every key but those left of a sliding window.
+        k_pos = torch.arange(seq_len) if r.alibi_slopes is not None or 0 <= left < seq_len - 1 else None
         visible = (
             None
-            if left < 0 or seq_len - 1 <= left
-            else visibility(q_pos[None], k_pos[None], None, r.causal, r.window)[0]
+            if k_pos is None or left < 0
+            else visibility(k_pos[-1:, None], k_pos[None], None, r.causal, r.window)[0]
+        )
+        distance = (
+            None if k_pos is None or r.alibi_slopes is None else (seq_len - 1 - k_pos)[None].abs().to(torch.float32)
         )
         for lo in range(members[0], members[-1] + 1, rows_per_batch):
             hi = min(members[-1] + 1, lo + rows_per_batch)
@@ -218,7 +223,7 @@ def emulate_decode(
             k, v = convert_kv(k, v, r)
             q = query[lo:hi].view(hi - lo, h, g, d)
             s = batched_bmm(q, k, transpose=True)  # "rhgd,rnhd->rhgn"
-            p_op, row_sum = probabilities(s.unsqueeze(3), q_pos, k_pos, visible, r)  # [r, h, g, 1, n]
+            p_op, row_sum = probabilities(s.unsqueeze(3), distance, visible, r)  # [r, h, g, 1, n]
             acc = batched_bmm(p_op.squeeze(3), v, transpose=False)  # "rhgn,rnhd->rhgd"
             parts.append(normalise(acc.unsqueeze(3), row_sum, r).view(hi - lo, r.num_heads, d))
     out = torch.empty(len(decode), r.num_heads, d, dtype=torch.float32)
