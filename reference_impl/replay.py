@@ -66,6 +66,7 @@ from tracer.format import (
     HeadResult,
     KVCacheSpec,
     LegacyCheck,
+    MetadataCheck,
     ReplayReport,
     StepRecord,
     StepResult,
@@ -333,7 +334,6 @@ def replay_trace(
     )
     # ---- metadata verdicts (tracer.format.metadata): every selected record, tensors or not.
     # A metadata-only trace is judged on them alone: no attention, write or legacy checks.
-    metadata = check_records(trace, selected)
     if not with_tensors:
         return ReplayReport(
             kernel=kernel,
@@ -343,7 +343,7 @@ def replay_trace(
             steps=(),
             write_path=(),
             legacy=(),
-            metadata=metadata,
+            metadata=check_records(trace, selected),
             skipped=skipped,
             seconds=time.perf_counter() - started,
         )
@@ -382,8 +382,14 @@ def replay_trace(
     # A step's work grows with the keys its rows read, plus a share per row.
     costs = [sum(r.seq_lens) + 64 * r.num_reqs for r in with_tensors]
     processes = worker_count(workers, len(with_tensors), device)
+    metadata: tuple[MetadataCheck, ...] = ()
+
+    def check_metadata() -> None:  # in this process, while the workers replay
+        nonlocal metadata
+        metadata = check_records(trace, selected)
+
     with _torch_threads(REPLAY_THREADS):
-        run_records(replay_one, len(with_tensors), costs, processes, collect)
+        run_records(replay_one, len(with_tensors), costs, processes, collect, meanwhile=check_metadata)
     done = [o for o in outcomes if o is not None]
     results = [o.result for o in done]
     writes = [o.write for o in done if o.write is not None]

@@ -96,13 +96,18 @@ def run_records(
     costs: Sequence[float],
     workers: int,
     on_outcome: Callable[[int, Any], None],
+    *,
+    meanwhile: Callable[[], None] | None = None,
 ) -> None:
     """``on_outcome(i, replay_one(i))`` for every ``i < count``, in this process or over ``workers``.
 
     With several workers ``on_outcome`` runs in this process as outcomes arrive (any order
     across shares; in order within one). An error in a worker stops them all and is raised here.
+    ``meanwhile`` runs here once, while the workers replay (first, in one process).
     """
     if workers <= 1 or count <= 1:
+        if meanwhile is not None:
+            meanwhile()
         for i in range(count):
             on_outcome(i, replay_one(i))
         return
@@ -116,6 +121,8 @@ def run_records(
             send.close()
             processes.append(process)
             pending[receive] = process
+        if meanwhile is not None:
+            meanwhile()
         while pending:
             for conn in wait(list(pending)):
                 assert isinstance(conn, Connection)
