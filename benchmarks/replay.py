@@ -18,9 +18,10 @@ With ``--engine`` it measures replay against the engine instead, side by side in
 invocation (``--repeat`` rounds, to see a shared machine's noise): each round runs
 ``pagedtrace run --prompts 128 --max-tokens 300`` (tiny preset, layer 0, tensors; ``--run-args``
 replaces those flags) into a fresh directory, reads the engine's generate time from the trace's
-``session.json`` (``generate_s``), replays the trace (``--device``) and prints steps/s and
-replay time / generate time. With ``--trace DIR`` it replays an existing trace, its
-``session.json`` giving the generate time::
+``session.json`` (``generate_s``), replays the trace (``--device``; on the CPU one worker
+process per core, :mod:`reference_impl.workers`) and prints steps/s and replay time / generate
+time. With ``--trace DIR`` it replays an existing trace, its ``session.json`` giving the
+generate time::
 
     python benchmarks/replay.py --engine --repeat 3
     python benchmarks/replay.py --trace TRACE --device cuda
@@ -168,6 +169,7 @@ def replay_against_engine(trace_dir: Path, device: str | None, label: str) -> di
 
     from reference_impl.replay import replay_trace
     from reference_impl.step_pass import select_device
+    from reference_impl.workers import worker_count
     from tracer.format import Trace
 
     session = json.loads((trace_dir / "session.json").read_text())
@@ -178,8 +180,10 @@ def replay_against_engine(trace_dir: Path, device: str | None, label: str) -> di
     report = replay_trace(Trace.open(trace_dir), device=dev)
     replay_s = time.perf_counter() - start
     steps = len(report.steps)
+    processes = worker_count(None, steps, dev)
     print(
-        f"{label}: {steps} steps replayed on {dev.type} in {replay_s:.2f} s = {steps / replay_s:.1f} steps/s; "
+        f"{label}: {steps} steps replayed on {dev.type} ({processes} process{'es' * (processes > 1)}) "
+        f"in {replay_s:.2f} s = {steps / replay_s:.1f} steps/s; "
         f"engine generate {generate_s:.2f} s; replay / generate = {replay_s / generate_s:.2f}x "
         f"(target <= 1: {'met' if replay_s <= generate_s else 'not met'}); "
         f"verdict {'ok' if report.ok else 'MISMATCH'}; "

@@ -94,7 +94,7 @@ def check_write_path(
     # Only the blocks the step wrote into are compared (a difference elsewhere is never read
     # back below): repacking the whole cache each step would cost more than the attention.
     touched, idx = torch.unique(idx, return_inverse=True)
-    kv_blocks = kv_blocks[touched]
+    kv_blocks = kv_blocks.index_select(0, touched)
     got_k, got_v = read_cache(kv_blocks, layout, spec.head_size)
     key_cache, value_cache = got_k.clone(), got_v.clone()
     key_cache[idx, off] = new_k

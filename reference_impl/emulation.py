@@ -25,8 +25,10 @@ relative to whatever max it is measured from (bf16 / e4m3 relative error is the 
 every exponent), and the rescaling between blocks is fp32. The kernel's own realisation of
 the same rounding differs element by element; ``reference_impl.tolerances.TOL_K`` covers that.
 
-The emulation is its own form (a per-sequence gather, chunked over queries): the bar does
-not depend on which reference form produced the fp64 answer.
+The emulation is its own form (:mod:`reference_impl.emulation_rows`: a sequence's blocks
+gathered at once, its queries in chunks; a step's one-query rows batched by length, to the
+bit what each gives alone): the bar does not depend on which reference form produced the
+fp64 answer.
 
 vLLM's CPU backend rounds differently, and :func:`emulation_of` picks the model of the kernel
 a trace ran from its manifest (``RunInfo.extra["cpu_attention"]``, ``tracer.manifest``). Its
@@ -46,14 +48,13 @@ Imports torch only.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from reference_impl.common import FP8_STORAGE, cdiv, check_args
-from reference_impl.gathered import visibility
+from reference_impl.emulation_rows import FP8_MAX_OFFSET, StepRounding, as_stored, emulate_decode, emulate_sequence
 
 __all__ = [
     "CPU_VEC_NEAREST",
@@ -211,17 +212,8 @@ def _truncate_to_bf16(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32).to(torch.bfloat16)
 
 
-#: FA3's fp8 softmax subtracts 8 from the log2 max: P lies in [0, 2^8] before it is rounded to e4m3.
-FP8_MAX_OFFSET = 8
-
 #: Query dtypes (by name) that mean vLLM quantised the query for FA3's fp8 path.
 FP8_QUERY_DTYPES = ("float8_e4m3fn", "float8_e4m3fnuz")
-
-#: Significant bits of ``tanh.approx.f32`` (max relative error ~2^-11): the fp16 significand.
-_TANH_DTYPE = torch.float16
-
-#: Logits held at once (fp32): the query chunk of a sequence is cut to stay under this.
-_MAX_SCORE_ELEMS = 1 << 24
 
 
 def quantize_query(query: torch.Tensor, q_scale: float) -> torch.Tensor:
@@ -241,16 +233,13 @@ def dequantize_query(query: torch.Tensor, q_scale: float) -> torch.Tensor:
     return query.to(torch.float64) * q_scale
 
 
-def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` rounded to ``dtype`` (round to nearest even) and brought back to fp32."""
-    return x if dtype == torch.float32 else x.to(dtype).to(torch.float32)
-
-
 def _read(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Sequence's ``[s, H_kv, D]`` tokens as stored (fp8 bytes viewed as e4m3)."""
-    if cache.dtype == torch.uint8:
-        cache = cache.view(torch.float8_e4m3fn)
-    return cache[blocks].flatten(0, 1)[:seq_len]
+    """Sequence's ``[s, H_kv, D]`` tokens as stored (fp8 bytes viewed as e4m3).
+
+    ``index_select`` copies whole blocks at memory speed; advanced indexing (``cache[blocks]``)
+    gives the same tensor several times slower.
+    """
+    return as_stored(cache).index_select(0, blocks).flatten(0, 1)[:seq_len]
 
 
 def emulate_flash_attention(
@@ -301,67 +290,44 @@ def emulate_flash_attention(
     if fp8_query and not fp8_cache:
         raise ValueError(f"an fp8 query needs an fp8 KV cache (FA3's fp8 path); the cache is {key_cache.dtype}")
     num_tokens, num_heads, head_size = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    # The P.V operand dtype: e4m3 on the fp8 path, else the dtype Q/K/V enter the kernel in.
-    element = query.dtype if query.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    # FA folds the descales into the softmax scale (and the soft-cap) and applies v_descale last.
-    score_scale = scale * (q_scale * k_scale if fp8_query else 1.0)
-    p_offset = float(2**FP8_MAX_OFFSET) if fp8_query else 1.0
+    num_kv_heads = key_cache.shape[2]
+    rounding = StepRounding(
+        num_kv_heads=num_kv_heads,
+        group=num_heads // num_kv_heads,
+        head_size=head_size,
+        # FA folds the descales into the softmax scale (and the soft-cap) and applies v_descale last.
+        score_scale=scale * (q_scale * k_scale if fp8_query else 1.0),
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        fp8_query=fp8_query,
+        fp8_cache=fp8_cache,
+        # The P.V operand dtype: e4m3 on the fp8 path, else the dtype Q/K/V enter the kernel in.
+        element=query.dtype if query.dtype in (torch.bfloat16, torch.float16) else torch.float32,
+        p_offset=float(2**FP8_MAX_OFFSET) if fp8_query else 1.0,
+        fp32_probabilities=emulation.fp32_probabilities,
+        fast_tanh=emulation.fast_tanh,
+    )
     out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float32)
-
-    for b in range(seq_lens.shape[0]):
-        q_start, q_end = int(query_start_loc[b]), int(query_start_loc[b + 1])
-        seq_len, q_len = int(seq_lens[b]), q_end - q_start
-        if q_len == 0 or seq_len == 0:
+    lens, starts = seq_lens.tolist(), query_start_loc.tolist()
+    table = block_table.tolist()
+    # One-query (decode) rows are batched by length; a sequence with more queries (or one key) runs alone.
+    decode = [(b, starts[b], s) for b, s in enumerate(lens) if starts[b + 1] - starts[b] == 1 and s > 1]
+    if decode:
+        rows = torch.tensor([row for _, row, _ in decode])
+        out[rows] = emulate_decode(query, key_cache, value_cache, table, decode, rounding)
+    block_size = key_cache.shape[1]
+    for b, seq_len in enumerate(lens):
+        q_start, q_len = starts[b], starts[b + 1] - starts[b]
+        if q_len == 0 or seq_len == 0 or (q_len == 1 and seq_len > 1):
             continue
-        blocks = block_table[b, : cdiv(seq_len, block_size)].long()
+        blocks = torch.tensor(table[b][: cdiv(seq_len, block_size)], dtype=torch.long)
         k, v = _read(key_cache, blocks, seq_len), _read(value_cache, blocks, seq_len)  # [n, h, d]
-        if fp8_query:
-            k, v = k.to(torch.float32), v.to(torch.float32)  # raw e4m3 values; descales come later
-        elif fp8_cache and emulation.fp32_probabilities:  # the CPU kernel folds the scales into fp32
-            k, v = k.to(torch.float32) * k_scale, v.to(torch.float32) * v_scale
-        elif fp8_cache:
-            k = _round_to(k.to(torch.float32) * k_scale, element)
-            v = _round_to(v.to(torch.float32) * v_scale, element)
-        elif k.dtype == element:  # already the operand dtype: exact in fp32, nothing to round
-            k, v = k.to(torch.float32), v.to(torch.float32)
-        else:
-            k, v = _round_to(k.to(torch.float32), element), _round_to(v.to(torch.float32), element)
-        k_pos = torch.arange(seq_len)
-        chunk = max(1, _MAX_SCORE_ELEMS // (num_heads * seq_len))
-        for t0 in range(0, q_len, chunk):
-            t1 = min(q_len, t0 + chunk)
-            q = query[q_start + t0 : q_start + t1].to(torch.float32).view(t1 - t0, num_kv_heads, group, head_size)
-            q_pos = torch.arange(seq_len - q_len + t0, seq_len - q_len + t1)
-            s = torch.einsum("thgd,nhd->hgtn", q, k)  # fp32 sums, [h, g, t, n]
-            if softcap > 0:
-                t = torch.tanh(s * (score_scale / softcap))
-                s = softcap * (_round_to(t, _TANH_DTYPE) if emulation.fast_tanh else t)
-            else:
-                s = s * score_scale
-            if alibi_slopes is not None:
-                distance = (q_pos[:, None] - k_pos[None, :]).abs().to(torch.float32)
-                s = s - alibi_slopes.to(torch.float32).view(num_kv_heads, group, 1, 1) * distance
-            visible = visibility(q_pos[None], k_pos[None], None, causal, window)[0]  # [t, n]
-            s = s.masked_fill(~visible, -math.inf)
-            m = s.amax(dim=-1)  # [h, g, t]
-            if sinks is not None:
-                m = torch.maximum(m, sinks.to(torch.float32).view(num_kv_heads, group, 1))
-            m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-            p = torch.exp(s - m[..., None]) * p_offset
-            row_sum = p.sum(dim=-1)
-            if sinks is not None:
-                row_sum = row_sum + torch.exp(sinks.to(torch.float32).view(num_kv_heads, group, 1) - m) * p_offset
-            if fp8_query:
-                p_op = p.to(torch.float8_e4m3fn).to(torch.float32)
-            else:
-                p_op = p if emulation.fp32_probabilities else _round_to(p, element)
-            acc = torch.einsum("hgtn,nhd->hgtd", p_op, v)
-            o = torch.where(row_sum[..., None] > 0, acc / row_sum.clamp_min(1e-38)[..., None], 0.0)
-            if fp8_query:
-                o = o * v_scale
-            out[q_start + t0 : q_start + t1] = o.permute(2, 0, 1, 3).reshape(t1 - t0, num_heads, head_size)
+        out[q_start : q_start + q_len] = emulate_sequence(query, k, v, q_start, q_len, rounding)
     return round_output(out, out_dtype, emulation)
 
 

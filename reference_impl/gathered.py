@@ -19,7 +19,7 @@ import torch
 
 from reference_impl.common import read_cache_as
 
-__all__ = ["attend_gathered", "gather_blocks", "gathered_weights", "strided_bmm", "visibility"]
+__all__ = ["attend_gathered", "batched_bmm", "gather_blocks", "gathered_weights", "strided_bmm", "visibility"]
 
 
 def strided_bmm(x: torch.Tensor, y: torch.Tensor, transpose_y: bool) -> torch.Tensor:
@@ -43,6 +43,32 @@ def strided_bmm(x: torch.Tensor, y: torch.Tensor, transpose_y: bool) -> torch.Te
         return parts[0].unsqueeze(1) if num_seqs == 1 else torch.stack(parts, dim=1)
     parts = [torch.bmm(x[j], y[:, :, j].transpose(1, 2) if transpose_y else y[:, :, j]) for j in range(num_heads)]
     return torch.stack(parts)
+
+
+def batched_bmm(x: torch.Tensor, y: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """``x[r, h] @ y[r, :, h, :]`` (or its transpose) for every (r, h): one row's products as one call gives them.
+
+    Args:
+        x: ``[r, h, g, c]``, its last dim contiguous.
+        y: ``[r, n, h, e]``, the cache's token-major order with token rows ``h * e`` apart
+            (the last dim contiguous); with ``transpose`` the logits (``"rhgd,rnhd->rhgn"``,
+            ``c = e = d``), else ``p @ v`` (``"rhgn,rnhd->rhgd"``, ``c = n``).
+
+    Returns:
+        ``[r, h, g, n]`` or ``[r, h, g, d]``.
+
+    Every matrix is read in place, with the strides one row's ``torch.bmm(x[i], y[i] viewed
+    [h, e, n])`` (or an ``einsum`` over one row) reads it with, so each element is the bits that
+    call gives. One batched call per KV head covers the rows, except where that call would not
+    be a batch as the one-row call is (one KV head: MKL's single-matrix product; one row: a batch
+    of heads): MKL's batched and single products may round differently.
+    """
+    rows, heads = x.shape[0], x.shape[1]
+    if heads == 1 or rows == 1:
+        per_row = (y[i].permute(1, 2, 0) if transpose else y[i].permute(1, 0, 2) for i in range(rows))
+        return torch.stack([torch.bmm(x[i], yi) for i, yi in enumerate(per_row)])
+    per_head = (y[:, :, j].transpose(1, 2) if transpose else y[:, :, j] for j in range(heads))
+    return torch.stack([torch.bmm(x[:, j], yj) for j, yj in enumerate(per_head)], dim=1)
 
 
 def visibility(

@@ -78,13 +78,11 @@ def compact_block_table(
         ``missing`` lists ids not captured, which map to row ``n`` (a zero block the
         caller appends).
     """
-    num_reqs = len(block_table)
-    width = max((len(r) for r in block_table), default=0)
-    physical = torch.zeros(num_reqs, max(width, 1), dtype=torch.long)
-    used = torch.zeros_like(physical, dtype=torch.bool)
-    for b, row in enumerate(block_table):
-        physical[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        used[b, : len(row)] = True
+    lengths = [len(r) for r in block_table]
+    width = max(lengths, default=0)
+    used = torch.arange(max(width, 1))[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
+    physical = torch.zeros(used.shape, dtype=torch.long)
+    physical[used] = torch.tensor([block for row in block_table for block in row], dtype=torch.long)
     ids = block_ids.long()
     index = torch.searchsorted(ids, physical).clamp_max(max(len(ids) - 1, 0))
     found = (ids[index] == physical) if len(ids) else torch.zeros_like(used)

@@ -181,6 +181,10 @@ def kv_to_cpu(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tenso
     return _packed(region.reshape(num_blocks, num_kv_heads, block_size, 2 * head_size))
 
 
+#: Element size -> the integer dtype of two elements (AMX keeps K's dims in pairs).
+_PAIR_OF_SIZE = {1: torch.int16, 2: torch.int32, 4: torch.int64}
+
+
 def cpu_amx_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Read the ``CPU_ATTN`` backend's AMX-packed cache into the canonical K and V caches.
 
@@ -198,9 +202,15 @@ def cpu_amx_to_kv(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor,
     check_amx_shape(block_size, head_size)
     nb, nh, bs, d = num_blocks, num_kv_heads, block_size, head_size
     region = kv_cache.reshape(nb, nh, 2 * bs * d)
-    # K: (block, head, token tile, dim pair, token in tile, dim in pair)
-    key = region[..., : bs * d].reshape(nb, nh, bs // 16, d // 2, 16, 2)
-    key_cache = key.permute(0, 2, 4, 1, 3, 5).reshape(nb, bs, nh, d)
+    # K: (block, head, token tile, dim pair, token in tile, dim in pair). A dim pair stays
+    # together, so it moves as one integer of twice the element's width: half the elements.
+    pair = _PAIR_OF_SIZE.get(kv_cache.element_size())
+    key = region[..., : bs * d]
+    if pair is not None:
+        pairs = key.view(pair).reshape(nb, nh, bs // 16, d // 2, 16)
+        key_cache = pairs.permute(0, 2, 4, 1, 3).contiguous().view(kv_cache.dtype).reshape(nb, bs, nh, d)
+    else:
+        key_cache = key.reshape(nb, nh, bs // 16, d // 2, 16, 2).permute(0, 2, 4, 1, 3, 5).reshape(nb, bs, nh, d)
     # V: (block, head, dim tile, token pair, dim in tile, token in pair)
     value = region[..., bs * d :].reshape(nb, nh, d // 16, bs // 2, 16, 2)
     value_cache = value.permute(0, 3, 5, 1, 2, 4).reshape(nb, bs, nh, d)
@@ -221,10 +231,18 @@ def kv_to_cpu_amx(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.T
     _check_kv_pair(key_cache, value_cache)
     nb, bs, nh, d = key_cache.shape
     check_amx_shape(bs, d)
-    key = key_cache.reshape(nb, bs // 16, 16, nh, d // 2, 2).permute(0, 3, 1, 4, 2, 5)
+    region = torch.empty(nb, nh, 2 * bs * d, dtype=key_cache.dtype)
+    # Each half is written in place; K's dim pairs move as one integer each (see cpu_amx_to_kv).
+    pair = _PAIR_OF_SIZE.get(key_cache.element_size())
+    if pair is not None:
+        key = key_cache.contiguous().view(pair).reshape(nb, bs // 16, 16, nh, d // 2).permute(0, 3, 1, 4, 2)
+        region[..., : bs * d].view(pair).view(nb, nh, bs // 16, d // 2, 16).copy_(key)
+    else:
+        key = key_cache.reshape(nb, bs // 16, 16, nh, d // 2, 2).permute(0, 3, 1, 4, 2, 5)
+        region[..., : bs * d].view(nb, nh, bs // 16, d // 2, 16, 2).copy_(key)
     value = value_cache.reshape(nb, bs // 2, 2, nh, d // 16, 16).permute(0, 3, 4, 1, 5, 2)
-    region = torch.cat([key.reshape(nb, nh, -1), value.reshape(nb, nh, -1)], dim=-1)
-    return _packed(region.reshape(nb, nh, bs, 2 * d))
+    region[..., bs * d :].view(nb, nh, d // 16, bs // 2, 16, 2).copy_(value)
+    return region.view(nb, nh, bs, 2 * d)
 
 
 def cpu_layout_for(dtype: torch.dtype, block_size: int, head_size: int, amx_supported: bool) -> str:

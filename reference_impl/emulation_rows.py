@@ -1,0 +1,231 @@
+"""The emulation's arithmetic, row by row: one sequence, or a step's decode rows batched by length.
+
+:func:`reference_impl.emulation.emulate_flash_attention` hands each sequence with several
+queries to :func:`emulate_sequence` and all one-query (decode) rows to :func:`emulate_decode`.
+Both run the same operations on every element (:func:`convert_kv`, :func:`probabilities`,
+:func:`normalise`), so a row's result does not depend on which of them ran it, to the bit:
+
+* the products are the same ``bmm`` calls per head as the per-sequence ``einsum`` makes
+  (``Q [g, t, d] @ K^T [d, n]`` and ``P [g, t, n] @ V [n, d]`` with K/V read in place, token
+  rows ``H_kv * D`` apart), batched over rows of one length, never padded: a padded
+  contraction, or a row summed over padding, can round differently in MKL and in torch's
+  reductions;
+* everything else is elementwise or a reduction over one row's own keys.
+
+Einsum letters as in :mod:`reference_impl.kernel`; ``r`` is a row of a batch.
+
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from reference_impl.common import cdiv
+from reference_impl.gathered import batched_bmm, visibility
+
+__all__ = ["FP8_MAX_OFFSET", "StepRounding", "convert_kv", "emulate_decode", "emulate_sequence", "probabilities"]
+
+#: FA3's fp8 softmax subtracts 8 from the log2 max: P lies in [0, 2^8] before it is rounded to e4m3.
+FP8_MAX_OFFSET = 8
+
+#: Significant bits of ``tanh.approx.f32`` (max relative error ~2^-11): the fp16 significand.
+TANH_DTYPE = torch.float16
+
+#: Logits held at once (fp32): the query chunk of a sequence is cut to stay under this.
+MAX_SCORE_ELEMS = 1 << 24
+
+#: Gathered K elements (one of K/V, fp32) of one batch of decode rows: rows of one length are
+#: taken this many elements at a time, so that a batch stays near the CPU's caches.
+MAX_DECODE_ELEMS = 1 << 18
+
+
+@dataclass(frozen=True, eq=False)
+class StepRounding:
+    """One step's math as the emulation runs it, and how the kernel rounds (``emulate_flash_attention`` builds it)."""
+
+    num_kv_heads: int
+    group: int  #: query heads per KV head
+    head_size: int
+    score_scale: float  #: the softmax scale, with the fp8 descales folded in on FA3's fp8 path
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    alibi_slopes: torch.Tensor | None  #: ``[H]``
+    sinks: torch.Tensor | None  #: ``[H]``
+    k_scale: float
+    v_scale: float
+    fp8_query: bool  #: FA3's fp8 path: Q, K, V as e4m3, descales applied to scores and output
+    fp8_cache: bool
+    element: torch.dtype  #: the P·V operand dtype the probabilities are rounded to
+    p_offset: float  #: ``2 ** FP8_MAX_OFFSET`` on the fp8 path, else 1
+    fp32_probabilities: bool  #: ``Emulation.fp32_probabilities``: P (and an fp8 cache's values) unrounded
+    fast_tanh: bool  #: ``Emulation.fast_tanh``: a soft-cap's tanh to 11 significant bits
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_kv_heads * self.group
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` (round to nearest even) and brought back to fp32."""
+    return x if dtype == torch.float32 else x.to(dtype).to(torch.float32)
+
+
+def as_stored(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as its values are stored: fp8 bytes (``uint8``) viewed as e4m3."""
+    return cache.view(torch.float8_e4m3fn) if cache.dtype == torch.uint8 else cache
+
+
+def convert_kv(k: torch.Tensor, v: torch.Tensor, r: StepRounding) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored K/V (any shape) as the fp32 values the kernel multiplies."""
+    if r.fp8_query:
+        return k.to(torch.float32), v.to(torch.float32)  # raw e4m3 values; descales come later
+    if r.fp8_cache and r.fp32_probabilities:  # the CPU kernel folds the scales into fp32
+        return k.to(torch.float32) * r.k_scale, v.to(torch.float32) * r.v_scale
+    if r.fp8_cache:
+        return round_to(k.to(torch.float32) * r.k_scale, r.element), round_to(
+            v.to(torch.float32) * r.v_scale, r.element
+        )
+    if k.dtype == r.element:  # already the operand dtype: exact in fp32, nothing to round
+        return k.to(torch.float32), v.to(torch.float32)
+    return round_to(k.to(torch.float32), r.element), round_to(v.to(torch.float32), r.element)
+
+
+def probabilities(
+    s: torch.Tensor, distance: torch.Tensor | None, visible: torch.Tensor | None, r: StepRounding
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``s [..., h, g, t, n]`` (fp32 sums) -> ``(P as P·V takes it, row sum [..., h, g, t])``.
+
+    ``distance [t, n]``, ``|query position - key position|`` in fp32 (needed with ALiBi only),
+    and the mask ``visible [t, n]`` (:func:`reference_impl.gathered.visibility`; None: every
+    key) are the same for every leading index.
+    """
+    if r.softcap > 0:
+        t = torch.tanh(s * (r.score_scale / r.softcap))
+        s = r.softcap * (round_to(t, TANH_DTYPE) if r.fast_tanh else t)
+    else:
+        s = s * r.score_scale
+    if r.alibi_slopes is not None:
+        assert distance is not None
+        s = s - r.alibi_slopes.to(torch.float32).view(r.num_kv_heads, r.group, 1, 1) * distance
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    m = s.amax(dim=-1)  # [..., h, g, t]
+    if r.sinks is not None:
+        m = torch.maximum(m, r.sinks.to(torch.float32).view(r.num_kv_heads, r.group, 1))
+    m = torch.where(torch.isinf(m), 0.0, m)
+    p = torch.exp(s - m[..., None])
+    if r.p_offset != 1.0:  # x * 1 is x, to the bit
+        p = p * r.p_offset
+    row_sum = p.sum(dim=-1)
+    if r.sinks is not None:
+        row_sum = row_sum + torch.exp(r.sinks.to(torch.float32).view(r.num_kv_heads, r.group, 1) - m) * r.p_offset
+    if r.fp8_query:
+        return p.to(torch.float8_e4m3fn).to(torch.float32), row_sum
+    return (p if r.fp32_probabilities else round_to(p, r.element)), row_sum
+
+
+def normalise(acc: torch.Tensor, row_sum: torch.Tensor, r: StepRounding) -> torch.Tensor:
+    """``acc [..., d] / row_sum`` (0 where nothing is visible), times the V descale on the fp8 path."""
+    o = torch.where(row_sum[..., None] > 0, acc / row_sum.clamp_min(1e-38)[..., None], 0.0)
+    return o * r.v_scale if r.fp8_query else o
+
+
+def emulate_sequence(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, q_len: int, r: StepRounding
+) -> torch.Tensor:
+    """One sequence's ``q_len`` queries (rows from ``q_start``) over its stored keys ``k, v [n, h, d]``.
+
+    Returns:
+        ``[q_len, H, D]`` fp32, before the output's rounding.
+    """
+    seq_len = k.shape[0]
+    k, v = convert_kv(k, v, r)
+    k_pos = torch.arange(seq_len)
+    out = torch.empty(q_len, r.num_heads, r.head_size, dtype=torch.float32)
+    chunk = max(1, MAX_SCORE_ELEMS // (r.num_heads * seq_len))
+    for t0 in range(0, q_len, chunk):
+        t1 = min(q_len, t0 + chunk)
+        q = query[q_start + t0 : q_start + t1].to(torch.float32).view(t1 - t0, r.num_kv_heads, r.group, r.head_size)
+        q_pos = torch.arange(seq_len - q_len + t0, seq_len - q_len + t1)
+        s = torch.einsum("thgd,nhd->hgtn", q, k)  # fp32 sums, [h, g, t, n]
+        visible = visibility(q_pos[None], k_pos[None], None, r.causal, r.window)[0]  # [t, n]
+        distance = (q_pos[:, None] - k_pos[None, :]).abs().to(torch.float32) if r.alibi_slopes is not None else None
+        p_op, row_sum = probabilities(s, distance, visible, r)
+        acc = torch.einsum("hgtn,nhd->hgtd", p_op, v)
+        o = normalise(acc, row_sum, r)
+        out[t0:t1] = o.permute(2, 0, 1, 3).reshape(t1 - t0, r.num_heads, r.head_size)
+    return out
+
+
+def emulate_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    table: list[list[int]],
+    decode: list[tuple[int, int, int]],
+    r: StepRounding,
+) -> torch.Tensor:
+    """The one-query rows of a step, batched by length: what :func:`emulate_sequence` gives each.
+
+    Args:
+        query: ``[T, H, D]``.
+        key_cache, value_cache: ``[nb, bs, H_kv, D]`` as stored.
+        table: ``block_table`` as lists.
+        decode: ``(b, row, s)`` per row: sequence, query row, keys of the sequence (``s > 1``:
+            with one key the per-sequence ``einsum`` multiplies P and V elementwise).
+
+    Returns:
+        ``[len(decode), H, D]`` fp32 in ``decode``'s order, before the output's rounding.
+    """
+    block_size = key_cache.shape[1]
+    key_cache, value_cache = as_stored(key_cache), as_stored(value_cache)
+    h, g, d = r.num_kv_heads, r.group, r.head_size
+    left = r.window[0]
+    order = sorted(range(len(decode)), key=lambda i: decode[i][2])
+    query = query.index_select(0, torch.tensor([decode[i][1] for i in order])).to(torch.float32)
+    # Every row's blocks, in that order, read through one buffer per cache: fresh tensors per
+    # batch would cost page faults on every call.
+    flat: list[int] = []
+    first_block = [0]
+    for i in order:
+        flat += table[decode[i][0]][: cdiv(decode[i][2], block_size)]
+        first_block.append(len(flat))
+    ids = torch.tensor(flat, dtype=torch.long)
+    widest = max(first_block[x + 1] - first_block[x] for x in range(len(order)))
+    rows_per_batch = max(1, MAX_DECODE_ELEMS // (widest * block_size * h * d))
+    raw = [torch.empty((rows_per_batch * widest, *c.shape[1:]), dtype=c.dtype) for c in (key_cache, value_cache)]
+    parts = []
+    for seq_len, same in itertools.groupby(range(len(order)), key=lambda x: decode[order[x]][2]):
+        members = list(same)
+        # A lone query at seq_len - 1 sees every key but those left of a sliding window.
+        k_pos = torch.arange(seq_len) if r.alibi_slopes is not None or 0 <= left < seq_len - 1 else None
+        visible = (
+            None
+            if k_pos is None or left < 0
+            else visibility(k_pos[-1:, None], k_pos[None], None, r.causal, r.window)[0]
+        )
+        distance = (
+            None if k_pos is None or r.alibi_slopes is None else (seq_len - 1 - k_pos)[None].abs().to(torch.float32)
+        )
+        for lo in range(members[0], members[-1] + 1, rows_per_batch):
+            hi = min(members[-1] + 1, lo + rows_per_batch)
+            batch_ids = ids[first_block[lo] : first_block[hi]]
+            k, v = (
+                torch.index_select(c, 0, batch_ids, out=buf[: len(batch_ids)]).view(hi - lo, -1, h, d)[:, :seq_len]
+                for c, buf in zip((key_cache, value_cache), raw, strict=True)
+            )  # [r, n, h, d]
+            k, v = convert_kv(k, v, r)
+            q = query[lo:hi].view(hi - lo, h, g, d)
+            s = batched_bmm(q, k, transpose=True)  # "rhgd,rnhd->rhgn"
+            p_op, row_sum = probabilities(s.unsqueeze(3), distance, visible, r)  # [r, h, g, 1, n]
+            acc = batched_bmm(p_op.squeeze(3), v, transpose=False)  # "rhgn,rnhd->rhgd"
+            parts.append(normalise(acc.unsqueeze(3), row_sum, r).view(hi - lo, r.num_heads, d))
+    out = torch.empty(len(decode), r.num_heads, d, dtype=torch.float32)
+    out[torch.tensor(order)] = torch.cat(parts)
+    return out

@@ -1,0 +1,163 @@
+"""Replay's records spread over worker processes, one share of consecutive records each.
+
+A replayed record costs milliseconds of small torch calls: one torch thread runs them best
+(``reference_impl.replay.REPLAY_THREADS``), so a CPU with several cores is used by replaying
+several records at once in forked processes. Each worker takes a contiguous share of the
+records (about equal work, :func:`shares`), so a KV write log is rebuilt once per share; it
+sends each record's outcome back as it finishes, and the parent puts them in record order:
+the report is the one a single process gives, to the bit (each record is replayed by the same
+code on one thread either way).
+
+Workers are forked (Linux only: elsewhere, and on a GPU, replay stays in one process); their
+messages are :class:`Replayed`, :class:`Failed` and :class:`Finished`.
+
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+__all__ = ["MIN_RECORDS_PER_WORKER", "Failed", "Finished", "Replayed", "run_records", "shares", "worker_count"]
+
+#: A worker is started for at least this many records (fewer share a process: a fork and a
+#: write log rebuilt from its run's start cost more than they save).
+MIN_RECORDS_PER_WORKER = 32
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A worker's message: record ``index`` (in the caller's order) replayed, giving ``outcome``."""
+
+    index: int
+    outcome: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A worker's message: replaying stopped on ``error`` (raised again in the parent)."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A worker's last message: its whole share is replayed."""
+
+
+def can_fork() -> bool:
+    """Worker processes are available: Linux's ``fork`` (a forked child shares the opened trace)."""
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+def worker_count(requested: int | None, records: int, device: torch.device | str | None) -> int:
+    """How many processes replay ``records`` records.
+
+    Args:
+        requested: the caller's count; None: one per CPU this process may run on, as long as
+            each gets :data:`MIN_RECORDS_PER_WORKER` records. Never more than the records.
+        device: a GPU replays in one process.
+    """
+    if requested is not None and requested < 1:
+        raise ValueError(f"workers {requested}: expected a positive number of processes")
+    if not can_fork() or (device is not None and torch.device(device).type != "cpu"):
+        return 1
+    if requested is not None:
+        return max(1, min(requested, records))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cpus, records // MIN_RECORDS_PER_WORKER))
+
+
+def shares(costs: Sequence[float], workers: int) -> list[range]:
+    """At most ``workers`` consecutive, non-empty index ranges of ``costs``, of about equal total cost."""
+    total = sum(costs)
+    cuts: list[int] = []
+    running = 0.0
+    for i, cost in enumerate(costs[:-1]):  # a cut after record i
+        running += cost
+        if len(cuts) < workers - 1 and running >= total * (len(cuts) + 1) / workers:
+            cuts.append(i + 1)
+    edges = [0, *cuts, len(costs)]
+    return [range(a, b) for a, b in itertools.pairwise(edges) if b > a]
+
+
+def run_records(
+    replay_one: Callable[[int], Any],
+    count: int,
+    costs: Sequence[float],
+    workers: int,
+    on_outcome: Callable[[int, Any], None],
+    *,
+    meanwhile: Callable[[], None] | None = None,
+) -> None:
+    """``on_outcome(i, replay_one(i))`` for every ``i < count``, in this process or over ``workers``.
+
+    With several workers ``on_outcome`` runs in this process as outcomes arrive (any order
+    across shares; in order within one). An error in a worker stops them all and is raised here.
+    ``meanwhile`` runs here once, while the workers replay (first, in one process).
+    """
+    if workers <= 1 or count <= 1:
+        if meanwhile is not None:
+            meanwhile()
+        for i in range(count):
+            on_outcome(i, replay_one(i))
+        return
+    context = multiprocessing.get_context("fork")
+    processes, pending = [], {}
+    try:
+        for share in shares(costs, workers):
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(target=_work, args=(replay_one, share, send), daemon=True)
+            process.start()
+            send.close()
+            processes.append(process)
+            pending[receive] = process
+        if meanwhile is not None:
+            meanwhile()
+        while pending:
+            for conn in wait(list(pending)):
+                assert isinstance(conn, Connection)
+                try:
+                    message = conn.recv()
+                except EOFError:
+                    process = pending.pop(conn)
+                    process.join()
+                    raise RuntimeError(
+                        f"a replay worker ended without finishing (exit code {process.exitcode})"
+                    ) from None
+                if isinstance(message, Replayed):
+                    on_outcome(message.index, message.outcome)
+                elif isinstance(message, Failed):
+                    raise message.error
+                else:
+                    pending.pop(conn)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+
+
+def _work(replay_one: Callable[[int], Any], share: range, send: Connection) -> None:
+    """A worker: replay its share, one message per record, then :class:`Finished` (or :class:`Failed`)."""
+    try:
+        for i in share:
+            send.send(Replayed(i, replay_one(i)))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent, which raises it
+        try:
+            send.send(Failed(exc))
+        except Exception:  # noqa: BLE001 - an error that does not pickle goes back as its text
+            send.send(Failed(RuntimeError(f"{type(exc).__name__}: {exc}")))
+    else:
+        send.send(Finished())
+    finally:
+        send.close()

@@ -1,0 +1,69 @@
+"""reference_impl.workers: records replayed over processes give the one-process report, to the bit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from reference_impl.replay import replay_trace
+from reference_impl.workers import MIN_RECORDS_PER_WORKER, can_fork, run_records, shares, worker_count
+from tracer.format import Trace, TraceError
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+needs_fork = pytest.mark.skipif(not can_fork(), reason="worker processes are forked (Linux)")
+
+
+def test_shares_are_consecutive_nonempty_and_balanced():
+    assert shares([1.0] * 10, 2) == [range(5), range(5, 10)]
+    assert shares([1.0, 2, 3, 4, 5, 6, 7, 8], 3) == [range(5), range(5, 7), range(7, 8)]
+    assert shares([5.0], 3) == [range(1)]
+    assert shares([1.0, 1, 1, 10], 2) == [range(4)]  # no cut leaves each side half
+    assert shares([], 2) == []
+
+
+def test_worker_count():
+    assert worker_count(1, 500, None) == 1
+    assert worker_count(None, MIN_RECORDS_PER_WORKER - 1, None) == 1
+    assert worker_count(8, 3, None) <= 3
+    assert worker_count(4, 500, "cuda") == 1
+    with pytest.raises(ValueError, match="positive"):
+        worker_count(0, 10, None)
+
+
+def _without_time(report) -> dict:
+    out = report.to_json()
+    out.pop("seconds")
+    return out
+
+
+@needs_fork
+@pytest.mark.parametrize("name", ["h200-qwen2.5-7b-default-rows", "h200-llama3.1-8b-fp8-writelog"])
+def test_workers_give_the_one_process_report(name):
+    alone = replay_trace(Trace.open(FIXTURES / name), workers=1, legacy_every=2)
+    seen = []
+    shared = replay_trace(
+        Trace.open(FIXTURES / name), workers=3, legacy_every=2, progress=lambda done, total, r: seen.append(done)
+    )
+    assert _without_time(shared) == _without_time(alone)
+    assert sorted(seen) == list(range(1, len(alone.steps) + 1))
+
+
+@needs_fork
+def test_an_error_in_a_worker_is_raised_in_the_caller(tmp_path):
+    trace_dir = tmp_path / "trace"
+    shutil.copytree(FIXTURES / "h200-qwen2.5-7b-default-rows", trace_dir)
+    trace = Trace.open(trace_dir)
+    last = [r for r in trace.records if r.tensors is not None][-1]
+    (trace_dir / "tensors" / last.tensors).unlink()
+    with pytest.raises(TraceError, match="tensor file missing"):
+        replay_trace(trace, workers=2)
+
+
+@needs_fork
+def test_outcomes_come_back_for_every_record():
+    got: dict[int, int] = {}
+    run_records(lambda i: i * i, 7, [1.0] * 7, 3, got.__setitem__)
+    assert got == {i: i * i for i in range(7)}
