@@ -373,11 +373,14 @@ def replay_trace(
         return _Outcome(result, write, legacy)
 
     outcomes: list[_Outcome | None] = [None] * len(with_tensors)
+    collected = 0
 
     def collect(i: int, outcome: _Outcome) -> None:
+        nonlocal collected
         outcomes[i] = outcome
+        collected += 1
         if progress is not None:
-            progress(len(with_tensors) - outcomes.count(None), len(with_tensors), outcome.result)
+            progress(collected, len(with_tensors), outcome.result)
 
     # A step's work grows with the keys its rows read, plus a share per row.
     costs = [sum(r.seq_lens) + 64 * r.num_reqs for r in with_tensors]
@@ -389,7 +392,9 @@ def replay_trace(
         metadata = check_records(trace, selected)
 
     with _torch_threads(REPLAY_THREADS):
-        run_records(replay_one, len(with_tensors), costs, processes, collect, meanwhile=check_metadata)
+        run_records(
+            replay_one, len(with_tensors), costs, processes, collect, outcome_type=_Outcome, meanwhile=check_metadata
+        )
     done = [o for o in outcomes if o is not None]
     results = [o.result for o in done]
     writes = [o.write for o in done if o.write is not None]

@@ -8,10 +8,13 @@ sends each record's outcome back as it finishes, and the parent puts them in rec
 the report is the one a single process gives, to the bit (each record is replayed by the same
 code on one thread either way).
 
-Workers are forked (Linux only: elsewhere, and on a GPU, replay stays in one process); their
-messages are :class:`Replayed`, :class:`Failed` and :class:`Finished`.
+Workers are forked (Linux only: elsewhere, and on a GPU, replay stays in one process). Their
+messages (:class:`Replayed`, :class:`Failed`, :class:`Finished`) are msgpack through ``msgspec``,
+an outcome decoded as the caller's type, to the bit. A worker that fails sends only where: the
+caller replays the rest of that share itself, so the error it raises is the one a single process
+raises, of the same type.
 
-Imports torch only.
+Imports torch and ``msgspec`` only.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import msgspec
 import torch
 
 __all__ = ["MIN_RECORDS_PER_WORKER", "Failed", "Finished", "Replayed", "run_records", "shares", "worker_count"]
@@ -34,24 +37,26 @@ __all__ = ["MIN_RECORDS_PER_WORKER", "Failed", "Finished", "Replayed", "run_reco
 MIN_RECORDS_PER_WORKER = 32
 
 
-@dataclass(frozen=True)
-class Replayed:
-    """A worker's message: record ``index`` (in the caller's order) replayed, giving ``outcome``."""
+class Replayed(msgspec.Struct, tag=True, array_like=True):
+    """A worker's message: record ``index`` (in the caller's order) replayed, its outcome as msgpack."""
 
     index: int
-    outcome: Any
+    outcome: msgspec.Raw
 
 
-@dataclass(frozen=True)
-class Failed:
-    """A worker's message: replaying stopped on ``error`` (raised again in the parent)."""
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    """A worker's message: replaying record ``index`` raised; the caller replays from there itself."""
 
-    error: BaseException
+    index: int
 
 
-@dataclass(frozen=True)
-class Finished:
+class Finished(msgspec.Struct, tag=True, array_like=True):
     """A worker's last message: its whole share is replayed."""
+
+
+Message = Replayed | Failed | Finished
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
 
 
 def can_fork() -> bool:
@@ -97,12 +102,15 @@ def run_records(
     workers: int,
     on_outcome: Callable[[int, Any], None],
     *,
+    outcome_type: Any = Any,
     meanwhile: Callable[[], None] | None = None,
 ) -> None:
     """``on_outcome(i, replay_one(i))`` for every ``i < count``, in this process or over ``workers``.
 
     With several workers ``on_outcome`` runs in this process as outcomes arrive (any order
-    across shares; in order within one). An error in a worker stops them all and is raised here.
+    across shares; in order within one), each decoded as ``outcome_type`` (msgspec's types:
+    dataclasses, named tuples, plain values). An error in a worker is raised here by replaying
+    the rest of its share in this process; it stops the other workers.
     ``meanwhile`` runs here once, while the workers replay (first, in one process).
     """
     if workers <= 1 or count <= 1:
@@ -111,6 +119,7 @@ def run_records(
         for i in range(count):
             on_outcome(i, replay_one(i))
         return
+    outcome_decoder = msgspec.msgpack.Decoder(outcome_type)
     context = multiprocessing.get_context("fork")
     processes, pending = [], {}
     try:
@@ -120,26 +129,27 @@ def run_records(
             process.start()
             send.close()
             processes.append(process)
-            pending[receive] = process
+            pending[receive] = (process, share)
         if meanwhile is not None:
             meanwhile()
         while pending:
             for conn in wait(list(pending)):
                 assert isinstance(conn, Connection)
                 try:
-                    message = conn.recv()
+                    message = _DECODER.decode(conn.recv_bytes())
                 except EOFError:
-                    process = pending.pop(conn)
+                    process, _ = pending.pop(conn)
                     process.join()
                     raise RuntimeError(
                         f"a replay worker ended without finishing (exit code {process.exitcode})"
                     ) from None
                 if isinstance(message, Replayed):
-                    on_outcome(message.index, message.outcome)
-                elif isinstance(message, Failed):
-                    raise message.error
-                else:
-                    pending.pop(conn)
+                    on_outcome(message.index, outcome_decoder.decode(message.outcome))
+                    continue
+                _, share = pending.pop(conn)
+                if isinstance(message, Failed):  # the error again, here, as one process raises it
+                    for i in range(message.index, share.stop):
+                        on_outcome(i, replay_one(i))
     finally:
         for process in processes:
             if process.is_alive():
@@ -149,15 +159,13 @@ def run_records(
 
 def _work(replay_one: Callable[[int], Any], share: range, send: Connection) -> None:
     """A worker: replay its share, one message per record, then :class:`Finished` (or :class:`Failed`)."""
+    i = share.start
     try:
         for i in share:
-            send.send(Replayed(i, replay_one(i)))
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent, which raises it
-        try:
-            send.send(Failed(exc))
-        except Exception:  # noqa: BLE001 - an error that does not pickle goes back as its text
-            send.send(Failed(RuntimeError(f"{type(exc).__name__}: {exc}")))
+            send.send_bytes(_ENCODER.encode(Replayed(i, msgspec.Raw(_ENCODER.encode(replay_one(i))))))
+    except BaseException:  # noqa: BLE001 - the caller replays from record i and raises the error itself
+        send.send_bytes(_ENCODER.encode(Failed(i)))
     else:
-        send.send(Finished())
+        send.send_bytes(_ENCODER.encode(Finished()))
     finally:
         send.close()
