@@ -89,8 +89,9 @@ def build_site(
         walk, walk_note = stored_walk(trace, command)
     texts = {p: t for p in ANNOTATED_FILES if (t := trace.source(p)) is not None}
     located = {p: locate(t, p) for p, t in texts.items()}
+    groups = trace_groups(trace)
     explained = (
-        explain_prefix_cache_by_group(trace)
+        explain_prefix_cache_by_group(trace, groups)
         if trace.run.kv_cache is not None and any(r.kind == "request" for r in trace.records)
         else None
     )
@@ -112,7 +113,6 @@ def build_site(
     paged_records = [r for r in records if r.step in paged]
     source_links = tuple(link for link in nav if link.href.startswith("src-"))
     metadata = _step_metadata(trace, verdicts, {r.step for r in paged_records})
-    groups = trace_groups(trace)
     attention_pages = _attention_pages(attention, nav)
     attention_links: dict[int, list[Link]] = {}
     for name, page in attention_pages.items():

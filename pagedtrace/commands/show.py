@@ -43,8 +43,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     summary = summarize(trace)
     # No KV-cache spec: no step reached attention's forward (vLLM failed first, say); the summary
     # and its gaps are all there is to show.
-    by_group = explain_prefix_cache_by_group(trace) if trace.run.kv_cache is not None else None
     groups = trace_groups(trace)
+    by_group = explain_prefix_cache_by_group(trace, groups) if trace.run.kv_cache is not None else None
     if args.json:
         requests = [e.to_json() for e in by_group[0].explanations] if by_group else []
         kv_groups = {

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tracer.format.groups import group_label, trace_groups
+from tracer.format.groups import TraceGroups, group_label, trace_groups
 from tracer.format.records import TraceError
 from tracer.format.requests import RequestView, request_layer, request_views, session_tokens
 from tracer.format.store import Trace
@@ -187,16 +187,17 @@ class GroupPrefix:
         }
 
 
-def explain_prefix_cache_by_group(trace: Trace) -> list[GroupPrefix]:
+def explain_prefix_cache_by_group(trace: Trace, groups: TraceGroups | None = None) -> list[GroupPrefix]:
     """:func:`explain_prefix_cache` on the first captured layer of each KV-cache group, in group order.
 
     A trace of one group (or whose groups are not known) gives one entry, read from
-    :func:`~tracer.format.requests.request_layer`.
+    :func:`~tracer.format.requests.request_layer`. ``groups``: the trace's
+    :func:`~tracer.format.groups.trace_groups`, where the caller has them already.
 
     Raises:
         TraceError: as :func:`explain_prefix_cache`.
     """
-    groups = trace_groups(trace)
+    groups = groups if groups is not None else trace_groups(trace)
     first: dict[int, str] = {}
     for r in trace.records:
         group = groups.of_record(r) if r.kind == "request" else None
