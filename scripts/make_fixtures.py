@@ -146,19 +146,19 @@ FIXTURES: dict[str, Fixture] = {
         f" --query-rows 4 --kv-check-every 2 --budget-mb 12 {DEFAULT_MODE}",
         keep_sources=True,
     ),
-    "h200-qwen2.5-7b-triton-default": Fixture(
+    "h100-qwen2.5-7b-triton-default": Fixture(
         "TRITON_ATTN in the default graph mode, tensors of layer 0 (decode steps copied inside full graphs)",
         f"{QWEN} {BACKEND_SHORT} --attention-backend TRITON_ATTN {DEFAULT_MODE}",
     ),
-    "h200-qwen2.5-7b-flex-eager": Fixture(
-        "FLEX_ATTENTION eager, tensors of layer 0",
-        f"{QWEN} {BACKEND_SHORT} --attention-backend FLEX_ATTENTION --eager",
+    "h100-qwen2.5-7b-flex-eager": Fixture(
+        "FLEX_ATTENTION eager, tensors of layer 0 (eager Flex expands the whole cache per query head: 1024 blocks)",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend FLEX_ATTENTION --eager --num-blocks 1024",
     ),
-    "h200-qwen2.5-7b-flashinfer-eager": Fixture(
+    "h100-qwen2.5-7b-flashinfer-eager": Fixture(
         "FLASHINFER eager, tensors of layer 0 and FlashInfer's paged_kv_indptr / indices / last_page_len",
         f"{QWEN} {BACKEND_SHORT} --attention-backend FLASHINFER --eager",
     ),
-    "h200-qwen2.5-7b-hnd-eager": Fixture(
+    "h100-qwen2.5-7b-hnd-eager": Fixture(
         "FlashAttention with the HND cache layout (VLLM_KV_CACHE_LAYOUT=HND), eager, tensors of layer 0",
         f"{QWEN} {BACKEND_SHORT} --attention-backend FLASH_ATTN --eager",
         env=(("VLLM_KV_CACHE_LAYOUT", "HND"),),

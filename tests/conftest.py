@@ -65,8 +65,8 @@ def cpu_trace_no_prefix_caching(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def cpu_trace_block16(tmp_path_factory) -> Path:
-    """:func:`cpu_trace`'s session with 16-token blocks instead of 32 (for ``pagedtrace diff``)."""
-    return _engine_variant(tmp_path_factory, "block16", ["--block-size", "16"])
+    """:func:`cpu_trace`'s session with 16-token blocks instead of 32, in a cache of 256 (for ``pagedtrace diff``)."""
+    return _engine_variant(tmp_path_factory, "block16", ["--block-size", "16", "--num-blocks", "256"])
 
 
 @pytest.fixture(scope="session")

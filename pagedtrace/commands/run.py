@@ -179,6 +179,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="tokens the scheduler puts in one step; below the prompt length it splits prefills (chunked prefill)",
     )
     p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV-cache blocks the engine allocates (vLLM's num_gpu_blocks_override); default: as many as memory "
+        "allows. A small cache shows evictions and preemptions in a short run",
+    )
+    p.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
@@ -219,6 +227,7 @@ def session_config(args: argparse.Namespace, out: Path) -> SessionConfig:
         flash_attn_version=args.flash_attn_version,
         attention_backend=args.attention_backend,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        num_blocks=args.num_blocks,
         texts=tuple(texts),
         chat=args.chat,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -33,9 +33,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 
 # shellcheck disable=SC2206
-NAMES=(${PAGEDTRACE_BACKEND_FIXTURES:-h200-qwen2.5-7b-hnd-eager h200-qwen2.5-7b-flex-eager h200-qwen2.5-7b-triton-default})
+NAMES=(${PAGEDTRACE_BACKEND_FIXTURES:-h100-qwen2.5-7b-hnd-eager h100-qwen2.5-7b-flex-eager h100-qwen2.5-7b-triton-default})
 if python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"; then
-  NAMES+=(h200-qwen2.5-7b-flashinfer-eager)
+  NAMES+=(h100-qwen2.5-7b-flashinfer-eager)
 else
   echo "FLASHINFER: flashinfer does not import here: no FlashInfer fixture"
 fi
@@ -57,7 +57,7 @@ echo "== 2. planted scale x1.02 ($(left) s left)"
 [ "$(left)" -gt 70 ] && timeout 60 python3 benchmarks/sensitivity.py "${TRACES[@]}" --mutations scale
 
 echo "== 3. vLLM's kernels ($(left) s left)" | tee "$OUT/backends-tables.txt"
-HND="$W/fx/h200-qwen2.5-7b-hnd-eager"
+HND="$W/fx/h100-qwen2.5-7b-hnd-eager"
 if [ -d "$HND" ] && [ "$(left)" -gt 50 ]; then
   for k in vllm:TRITON_ATTN vllm:FLASH_ATTN; do
     echo "-- replay hnd --kernel $k" | tee -a "$OUT/backends-tables.txt"
