@@ -65,6 +65,7 @@ class StepRounding:
     p_offset: float  #: ``2 ** FP8_MAX_OFFSET`` on the fp8 path, else 1
     fp32_probabilities: bool  #: ``Emulation.fp32_probabilities``: P (and an fp8 cache's values) unrounded
     fast_tanh: bool  #: ``Emulation.fast_tanh``: a soft-cap's tanh to 11 significant bits
+    normalized_probabilities: bool = False  #: ``Emulation.normalized_probabilities``: P / row sum, then rounded
 
     @property
     def num_heads(self) -> int:
@@ -127,6 +128,9 @@ def probabilities(
         row_sum = row_sum + torch.exp(r.sinks.to(torch.float32).view(r.num_kv_heads, r.group, 1) - m) * r.p_offset
     if r.fp8_query:
         return p.to(torch.float8_e4m3fn).to(torch.float32), row_sum
+    if r.normalized_probabilities:  # a softmax, then P.V: the row sum is already divided out (x / 1 is x)
+        p = torch.where(row_sum[..., None] > 0, p / row_sum.clamp_min(1e-38)[..., None], 0.0)
+        row_sum = (row_sum > 0).to(row_sum.dtype)
     return (p if r.fp32_probabilities else round_to(p, r.element)), row_sum
 
 

@@ -173,14 +173,16 @@ def replay_record(
     inputs = step_inputs(record, tensors, spec, layout, flash_attn_version=flash_attn_version, emulation=emulation)
     output, num = tensors["output"], inputs.num_tokens
     if device is not None and torch.device(device).type != "cpu":
-        expected, baseline = step_outputs(*inputs.args, **step_kwargs(inputs), device=device)
+        # The verdict is computed where the pass ran: only the per-head numbers come back.
+        expected, baseline = step_outputs(*inputs.args, **step_kwargs(inputs), device=device, to_cpu=False)
         assert expected is not None
+        output = output.to(expected.device)
     else:
         expected, baseline = reference_outputs(inputs, kernel)
     # The bar is per head and never depends on `kernel` (reference_impl.tolerances).
     verdict = judge_output(inputs, output, expected, baseline)
     # Per-head scale for the relative error: the largest |reference| value of that head.
-    ref_scale = expected[:num].abs().amax(dim=(0, 2)) if num else torch.zeros(inputs.query.shape[1])
+    ref_scale = expected[:num].abs().amax(dim=(0, 2)).tolist() if num else [0.0] * int(inputs.query.shape[1])
     heads = tuple(
         HeadResult(
             head=h,
@@ -194,7 +196,7 @@ def replay_record(
                 verdict["per_head_max_abs"],
                 verdict["per_head_tol"],
                 verdict["per_head_ok"],
-                ref_scale.tolist(),
+                ref_scale,
                 strict=False,
             )
         )
@@ -223,7 +225,7 @@ def replay_record(
             inputs.key_cache,
             inputs.value_cache,
             inputs.block_table,
-            expected,
+            expected.cpu(),
             inputs.query,
             spec,
             kernel,

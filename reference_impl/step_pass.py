@@ -150,6 +150,7 @@ def step_outputs(
     emulation: Emulation = FLASH,
     reference: bool = True,
     device: torch.device | str | None = None,
+    to_cpu: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The step's fp64 reference and its emulated baseline, ``[T, H, D]`` each, on the CPU.
 
@@ -163,6 +164,8 @@ def step_outputs(
         emulation: how the trace's kernel rounds (:mod:`reference_impl.emulation`).
         reference: also compute the fp64 reference (False: ``(None, baseline)``).
         device: where to compute (default: the CPU); results come back to the CPU.
+        to_cpu: False leaves the results on ``device`` (a step with sinks: on the CPU), for a
+            verdict computed there.
 
     Returns:
         ``(expected fp64 or None, baseline in out_dtype)``; rows of sequences without queries are 0.
@@ -192,6 +195,7 @@ def step_outputs(
             emulation=emulation,
             reference=reference,
             dev=torch.device(device) if device is not None else torch.device("cpu"),
+            to_cpu=to_cpu,
         )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -219,6 +223,7 @@ def _step_outputs(
     emulation: Emulation,
     reference: bool,
     dev: torch.device,
+    to_cpu: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """:func:`step_outputs` on ``dev``."""
     num_tokens, num_heads, head_size = query.shape
@@ -307,7 +312,7 @@ def _step_outputs(
         s32 = torch.einsum("rthgd,rnhd->rhgtn", q32, k32)
         if softcap > 0:
             t = torch.tanh(s32 * (score_scale / softcap))
-            s32 = softcap * (t if emulation.fp32_probabilities else _round_to(t, _TANH_DTYPE))
+            s32 = softcap * (_round_to(t, _TANH_DTYPE) if emulation.fast_tanh else t)
         else:
             s32 = s32 * score_scale
         if slopes is not None and distance is not None:
@@ -321,6 +326,9 @@ def _step_outputs(
         row_sum = p32.sum(dim=-1)
         if sink is not None:
             row_sum = row_sum + torch.exp(sink[None, :, :, None] - m32) * p_offset
+        if emulation.normalized_probabilities and not fp8_path:  # softmax first (emulation_rows.probabilities)
+            p32 = torch.where(row_sum[..., None] > 0, p32 / row_sum.clamp_min(1e-38)[..., None], 0.0)
+            row_sum = (row_sum > 0).to(row_sum.dtype)
         if fp8_path:
             p_op = p32.to(torch.float8_e4m3fn).to(torch.float32)
         else:
@@ -331,13 +339,16 @@ def _step_outputs(
             o32 = o32 * v_scale
         emulated[rows] = o32.permute(0, 3, 1, 2, 4).reshape(r * max_q, num_heads, head_size)[keep_t]
 
-    baseline = round_output(emulated, out_dtype, emulation).cpu()
+    baseline = round_output(emulated, out_dtype, emulation)
+    if to_cpu:
+        baseline = baseline.cpu()
     if not reference:
         return None, baseline
     assert expected is not None and lse is not None
     if sinks is not None:
         expected, _ = add_sinks(expected.cpu(), lse.cpu(), sinks.cpu().to(torch.float64), int(query_start_loc[-1]))
-    return expected.cpu(), baseline
+        return expected, baseline.cpu()
+    return (expected.cpu() if to_cpu else expected), baseline
 
 
 #: The devices replay runs on (``--device``).

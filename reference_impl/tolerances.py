@@ -227,7 +227,7 @@ def compare(
         base_mean = _per_head_mean((baseline.double() - expected.double()).abs())
         bar = MEAN_K * base_mean + MEAN_FLOOR_ULPS * _eps(dtype) * _per_head_mean(expected.double().abs())
         ok_h &= mean_h <= bar
-        mean_tol = [float(x) for x in bar]
+        mean_tol = bar.tolist()
     max_abs = float(err.max()) if err.numel() else 0.0
     scale = float(expected.double().abs().max()) if expected.numel() else 0.0
     base = float(base_h.max()) if base_h.numel() else 0.0
@@ -235,11 +235,12 @@ def compare(
     return {
         "max_abs": max_abs,
         "max_rel": max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf),
-        "per_head_max_abs": [float(x) for x in per_head],
-        "per_head_tol": [float(x) for x in tol_h],
-        "per_head_ok": [bool(x) for x in ok_h],
-        "per_head_baseline_max_abs": [float(x) for x in base_h],
-        "per_head_mean_abs": [float(x) for x in mean_h],
+        # One transfer per list (the tensors may be on a GPU): the same floats as float(x) each.
+        "per_head_max_abs": per_head.double().tolist(),
+        "per_head_tol": tol_h.double().tolist(),
+        "per_head_ok": ok_h.tolist(),
+        "per_head_baseline_max_abs": base_h.double().tolist(),
+        "per_head_mean_abs": mean_h.tolist(),
         "per_head_mean_tol": mean_tol,
         "baseline_max_abs": base,
         "floor": floor,
