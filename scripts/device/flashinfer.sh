@@ -5,8 +5,8 @@
 # cuda-tile, nvidia-cudnn-frontend, nvidia-cutlass-dsl: `pip download --no-deps` for cp312), installs them
 # under /tmp, says whether `import flashinfer` works and whether its JIT (nvcc) builds vLLM's kernels, then
 # makes the h100-qwen2.5-7b-flashinfer-eager fixture, replays it, plants scale x1.02, and compares
-# greedy tokens traced and untraced on the tiny preset. Writes $OUT/flashinfer.log and, when it ran,
-# $OUT/flashinfer-fixture.tar and $OUT/tokens.json.
+# greedy tokens traced and untraced on the tiny preset (scripts/device/tokens.py). Writes $OUT/flashinfer.log
+# and, when it ran, $OUT/flashinfer-fixture.tar and $OUT/tokens.json.
 set -uo pipefail
 OUT=${OUT:?set OUT to the output directory}
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -35,15 +35,7 @@ if [ -f "$W/made/h100-qwen2.5-7b-flashinfer-eager.tar" ]; then
   timeout 100 python3 benchmarks/sensitivity.py "$T" --mutations scale
   timeout 100 python3 -m pagedtrace backends "$T" 2>&1 | grep -v "INFO\|WARNING"
 fi
-for traced in 1 0; do
-  python3 - "$W/tok$traced" "$traced" <<'PY' | tee -a "$OUT/tokens.txt"
-import json, sys
-from tracer.session import run_session
-from tracer.session_config import SessionConfig
-r = run_session(SessionConfig(trace_dir=sys.argv[1], model="tiny", num_prompts=4, max_tokens=8, layers="all",
-                              trace=sys.argv[2] == "1", attention_backend="FLASHINFER"))
-print("TOKENS traced" if sys.argv[2] == "1" else "TOKENS untraced", json.dumps(r.outputs))
-PY
-done
+# Greedy tokens untraced, traced, untraced (eager: FlashInfer's graph capture autotunes for minutes).
+python3 scripts/device/tokens.py "$OUT/tokens.json" --budget-s "${PAGEDTRACE_TOKENS_BUDGET_S:-240}" "FLASHINFER eager"
 echo "flashinfer.sh: done in $(( $(date +%s) - START )) s"
 rm -rf "$W"

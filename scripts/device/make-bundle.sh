@@ -2,12 +2,13 @@
 # Build the files that carry vLLM 0.26.0 (CUDA build) to an offline H200 machine:
 #   bash scripts/device/make-bundle.sh
 # (a copy of the device kit's make-bundle.sh, with its pins and install script beside it, whose parts
-# are 23 MiB, not 40: a transfer holds 64 MiB together with this working tree, ~40 MiB tracked.)
+# are 29 MiB: a transfer holds 64 MiB together with the working tree, which is 3 MiB while
+# tests/fixtures (41 MiB) is moved out of the checkout, so two parts travel in one call.)
 #
 # That machine has Python 3.12 with torch 2.11.0+cu130 (the exact torch that
 # vllm==0.26.0 pins) but no network and no vLLM.  One transfer to it holds at most
-# 64 MiB including the working tree, so the bundle travels as 23 MiB parts:
-#   .device/part-00 .. part-04  (a split tar of: the wheels the image lacks,
+# 64 MiB including the working tree, so the bundle travels as 29 MiB parts:
+#   .device/part-00 .. part-03  (a split tar of: the wheels the image lacks,
 #   vLLM's Python code with its FA3 kernels, and vLLM's core CUDA op library)
 # Left out: the FA2 kernels (Hopper runs FA3), the MoE kernels, the Rust frontend,
 # C++ headers, and FlashInfer, so runs must set VLLM_USE_FLASHINFER_SAMPLER=0
@@ -66,14 +67,19 @@ if [ "${WITH_FA2:-0}" = 1 ]; then
   fi
   cp "$CACHE/fa2.so.xz" "$CACHE/payload/"
 fi
-tar -C "$CACHE/payload" -cf - . | split -b 23M -d -a 2 - "$OUTD/part-"
+tar -C "$CACHE/payload" -cf - . | split -b 29M -d -a 2 - "$OUTD/part-"
 cp "$HERE/install-on-device.sh" "$OUTD/install.sh"
 n=$(ls "$OUTD"/part-* | wc -l)
 ls -la "$OUTD"
 echo
-echo "Next, $n + 1 transfers in a row (the GPU machine keeps /tmp only while it stays up, ~30 s idle):"
-for i in $(seq 0 $((n - 1))); do
-  p=$(printf 'part-%02d' "$i")
-  echo "  carry [\".device/$p\", \".device/install.sh\"]   command: bash .device/install.sh $p $n"
+echo "Next, with tests/fixtures moved out of the checkout (mv tests/fixtures /tmp/; back afterwards),"
+echo "transfers in a row, two parts each (the GPU machine keeps /tmp only while it stays up, ~30 s idle):"
+for i in $(seq 0 2 $((n - 1))); do
+  a=$(printf 'part-%02d' "$i"); b=$(printf 'part-%02d' $((i + 1)))
+  if [ $((i + 1)) -lt "$n" ]; then
+    echo "  carry [\".device/$a\", \".device/$b\", \".device/install.sh\"]   command: bash .device/install.sh $a $n && bash .device/install.sh $b $n"
+  else
+    echo "  carry [\".device/$a\", \".device/install.sh\"]   command: bash .device/install.sh $a $n"
+  fi
 done
-echo "  then your own runs: carry [\".device/install.sh\", ...] every time (carried paths do not stay), command starting: source .device/install.sh env; ..."
+echo "  the last of them may go on: ... && source .device/install.sh env; ... (carry .device/install.sh every time)"
