@@ -150,6 +150,10 @@ FIXTURES: dict[str, Fixture] = {
         "TRITON_ATTN in the default graph mode, tensors of layer 0 (decode steps copied inside full graphs)",
         f"{QWEN} {BACKEND_SHORT} --attention-backend TRITON_ATTN {DEFAULT_MODE}",
     ),
+    "h100-qwen2.5-7b-triton-eager": Fixture(
+        "TRITON_ATTN eager, tensors of layer 0",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend TRITON_ATTN --eager",
+    ),
     "h100-qwen2.5-7b-flex-eager": Fixture(
         "FLEX_ATTENTION eager, tensors of layer 0 (eager Flex expands the whole cache per query head: 1024 blocks)",
         f"{QWEN} {BACKEND_SHORT} --attention-backend FLEX_ATTENTION --eager --num-blocks 1024",

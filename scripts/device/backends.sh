@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every attention backend vLLM 0.26 runs on CUDA, on the H200, in under 9 minutes (run from the repo root):
+# Every attention backend vLLM 0.26 runs on CUDA, on an H100 or H200, in under 9 minutes (from the repo root):
 #   OUT=/some/dir bash scripts/device/backends.sh
 # 1. makes the backend fixtures with tensors (scripts/make_fixtures.py): TRITON_ATTN in the default graph
-#    mode, FLEX_ATTENTION eager, FLASHINFER eager when `import flashinfer` works, FlashAttention with the HND
+#    mode and eager, FLEX_ATTENTION eager, FLASHINFER eager when `import flashinfer` works, FlashAttention with the HND
 #    layout (qwen2.5-7b preset shape, random weights, 3 short prompts, layer 0), and replays them here;
 # 2. plants scale x1.02 into each (benchmarks/sensitivity.py --mutations scale): it must be caught;
 # 3. runs vLLM's own kernels on the HND FlashAttention trace: replay --kernel vllm:TRITON_ATTN and
@@ -33,7 +33,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 
 # shellcheck disable=SC2206
-NAMES=(${PAGEDTRACE_BACKEND_FIXTURES:-h100-qwen2.5-7b-hnd-eager h100-qwen2.5-7b-flex-eager h100-qwen2.5-7b-triton-default})
+NAMES=(${PAGEDTRACE_BACKEND_FIXTURES:-h100-qwen2.5-7b-hnd-eager h100-qwen2.5-7b-flex-eager h100-qwen2.5-7b-triton-default h100-qwen2.5-7b-triton-eager})
 if python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"; then
   NAMES+=(h100-qwen2.5-7b-flashinfer-eager)
 else
@@ -72,6 +72,6 @@ done
 
 echo "== 4. greedy tokens, traced vs untraced ($(left) s left)"
 [ "$(left)" -gt 60 ] && python3 scripts/device/tokens.py "$OUT/tokens.json" --budget-s "$(left)" \
-  "TRITON_ATTN default" "FLEX_ATTENTION eager" "FLASH_ATTN HND eager"
+  "TRITON_ATTN default" "TRITON_ATTN eager" "FLEX_ATTENTION eager" "FLASH_ATTN HND eager"
 echo "backends.sh: done in $(( $(date +%s) - START )) s; files: $(ls "$OUT" | tr '\n' ' ')"
 rm -rf "$W"

@@ -36,6 +36,7 @@ print("TOKENS" + json.dumps(r.outputs))
 CASES: dict[str, tuple[dict[str, object], dict[str, str]]] = {
     "FLASH_ATTN default": ({"attention_backend": "FLASH_ATTN", "cudagraph_mode": "FULL_AND_PIECEWISE"}, {}),
     "TRITON_ATTN default": ({"attention_backend": "TRITON_ATTN", "cudagraph_mode": "FULL_AND_PIECEWISE"}, {}),
+    "TRITON_ATTN eager": ({"attention_backend": "TRITON_ATTN", "enforce_eager": True}, {}),
     # Eager Flex (no torch.compile) runs PyTorch's math attention, which repeats the whole cache's keys and
     # values for every query head of a group: a cache of 1024 blocks keeps that inside memory.
     "FLEX_ATTENTION eager": ({"attention_backend": "FLEX_ATTENTION", "enforce_eager": True, "num_blocks": 1024}, {}),
