@@ -158,10 +158,11 @@ FLEX = Emulation(
     "P rounded to the query dtype before P.V, fp32 accumulation, output rounded to the activation dtype",
 )
 
-#: ``flex_attention`` without ``torch.compile`` (vLLM's Flex backend in an eager engine: ``enforce_eager``
-#: sets ``TORCH_COMPILE_DISABLE``), PyTorch's ``math_attention`` (``torch/_higher_order_ops/flex_attention.py``):
-#: Q and K taken to fp32, ``S = Q @ K^T`` and the scale in fp32, ``torch._safe_softmax`` in fp32 (normalised),
-#: then ``P.to(q.dtype) @ V``: the *normalised* P rounded to bf16, a bf16 matrix product (fp32
+#: ``flex_attention`` without ``torch.compile`` (vLLM's Flex backend where ``TORCH_COMPILE_DISABLE=1``, as
+#: ``pagedtrace run --eager`` sets it; the manifest's ``extra["torch_compile"]``), PyTorch's
+#: ``math_attention`` (``torch/_higher_order_ops/flex_attention.py``): Q and K taken to fp32,
+#: ``S = Q @ K^T`` and the scale in fp32, ``torch._safe_softmax`` in fp32 (normalised), then
+#: ``P.to(q.dtype) @ V``: the *normalised* P rounded to bf16, a bf16 matrix product (fp32
 #: accumulation), its output in bf16. Measured on an H100 trace: this emulation gives the engine's
 #: output to the bit on 99.97 % or more of the values of every step.
 FLEX_EAGER = Emulation(
@@ -192,15 +193,20 @@ def emulation_of(run: Any) -> Emulation:
     vLLM's CPU backend with the ``vec`` / ``vec16`` kernel and a known bf16 conversion
     (``extra["cpu_attention"]``, recorded since pagedtrace 0.3's format 4) gets the CPU model;
     Triton's unified attention, Flex and FlashInfer (by ``run.attention_backend``) get their own
-    (:data:`TRITON`, :data:`FLEX`, :data:`FLASHINFER`); everything else, and traces that do not
-    say, FlashAttention's.
+    (:data:`TRITON`, :data:`FLEX`, :data:`FLASHINFER`), Flex without ``torch.compile``
+    :data:`FLEX_EAGER`; everything else, and traces that do not say, FlashAttention's.
     """
     impl = str(getattr(run, "attention_backend", "") or "").rsplit(".", 1)[-1]
-    if impl == "FlexAttentionImpl" and getattr(run, "enforce_eager", False):
-        return FLEX_EAGER
+    extra = getattr(run, "extra", None) or {}
+    if impl == "FlexAttentionImpl":
+        # ``extra["torch_compile"]``: whether torch.compile compiled in the engine's process; traces
+        # without it came from ``pagedtrace run``, whose eager runs disable it.
+        compiled = extra.get("torch_compile") if isinstance(extra, dict) else None
+        if not isinstance(compiled, bool):
+            compiled = not getattr(run, "enforce_eager", False)
+        return FLEX if compiled else FLEX_EAGER
     if impl in _BY_IMPL:
         return _BY_IMPL[impl]
-    extra = getattr(run, "extra", None) or {}
     info = extra.get("cpu_attention") if isinstance(extra, dict) else None
     if not isinstance(info, dict) or info.get("isa") not in ("vec", "vec16"):
         return FLASH

@@ -95,8 +95,13 @@ def test_each_backend_is_judged_by_its_kernels_rounding():
     assert emulation_of(run) is TRITON and not TRITON.fast_tanh  # apply_softcap: fp32 exp, no tanh.approx
     run.attention_backend = "x.FlexAttentionImpl"
     assert emulation_of(run) is FLEX
-    run.enforce_eager = True  # no torch.compile: PyTorch's math_attention
+    run.enforce_eager = True  # a trace without extra["torch_compile"]: `run --eager` disabled torch.compile
     assert emulation_of(run) is FLEX_EAGER and FLEX_EAGER.normalized_probabilities
+    run.extra = {"torch_compile": True}  # an eager engine whose process compiles: Flex is compiled
+    assert emulation_of(run) is FLEX
+    run.extra, run.enforce_eager = {"torch_compile": False}, False
+    assert emulation_of(run) is FLEX_EAGER
+    run.extra = {}
     del run.enforce_eager
     run.attention_backend = "x.FlashInferImpl"
     assert emulation_of(run) is FLASHINFER and FLASHINFER.fast_tanh

@@ -125,6 +125,8 @@ def test_the_manifest_says_how_this_hosts_cpu_kernel_rounds_and_replay_holds_it_
         assert report.tolerance.emulation == ("cpu-vec-rounding" if bf16 else "cpu-vec-truncating")
     else:
         assert report.tolerance.emulation == "flash-attention-rounding"
+    # The shared run is eager on the CPU, which disables torch.compile (what eager Flex's rounding needs).
+    assert trace.run.extra["torch_compile"] is False
 
 
 NEEDS_CXX = pytest.mark.skipif(

@@ -182,11 +182,28 @@ def build_run_info(
         options=options.to_json(),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         sources=sources,
-        extra={"pid": os.getpid(), "model_attention": _model_attention(cfg), **_cpu_attention(impl)},
+        extra={
+            "pid": os.getpid(),
+            "model_attention": _model_attention(cfg),
+            "torch_compile": _torch_compile(),
+            **_cpu_attention(impl),
+        },
         kv_cache_groups=kv_cache_groups(runner),
         null_block=null_block_id(),
         tensor_parallel=tensor_parallel,
     )
+
+
+def _torch_compile() -> bool:
+    """Whether ``torch.compile`` compiles in the engine's process (``TORCH_COMPILE_DISABLE`` unset).
+
+    vLLM's Flex backend calls a ``torch.compile``'d ``flex_attention`` whatever the graph mode; with
+    compilation disabled (``pagedtrace run --eager`` sets ``TORCH_COMPILE_DISABLE=1``) that is
+    PyTorch's ``math_attention``, which rounds differently (``reference_impl.emulation.FLEX_EAGER``).
+    """
+    import torch._dynamo
+
+    return not bool(torch._dynamo.config.disable)
 
 
 def _cpu_attention(impl: Any) -> dict[str, Any]:
