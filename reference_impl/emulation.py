@@ -48,13 +48,19 @@ Imports torch only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from reference_impl.common import FP8_STORAGE, cdiv, check_args
-from reference_impl.emulation_rows import FP8_MAX_OFFSET, StepRounding, as_stored, emulate_decode, emulate_sequence
+from reference_impl.emulation_rows import (
+    FP8_MAX_OFFSET,
+    Emulation,
+    StepRounding,
+    as_stored,
+    emulate_decode,
+    emulate_sequence,
+)
 
 __all__ = [
     "CPU_VEC_NEAREST",
@@ -87,32 +93,6 @@ EMULATION_DESCRIPTION = (
     "P rounded to the P.V operand dtype (e4m3 x 2^8 for fp8) with the row sum in fp32, "
     "P.V accumulated in fp32, output rounded to the activation dtype"
 )
-
-
-@dataclass(frozen=True)
-class Emulation:
-    """How the kernel a trace ran rounds: the low-precision baseline of its bar.
-
-    ``fp32_probabilities``: P·V takes P (and a soft-cap its tanh, an fp8 cache its scaled
-    values) in fp32, unrounded; False: as FlashAttention, P rounded to the P·V operand dtype.
-    ``output_rounding``: how the fp32 output becomes bf16, ``nearest`` (even) or
-    ``toward_zero`` (the low 16 bits dropped). Other output dtypes round to nearest.
-    ``fast_tanh``: a soft-cap's tanh to 11 significant bits (``tanh.approx.f32``); False: fp32.
-    ``normalized_probabilities``: P is divided by its fp32 row sum *before* it is rounded to the
-    P·V operand dtype, and P·V is the output (a softmax, then a matrix product); False: as
-    FlashAttention, the unnormalised P is rounded and the fp32 accumulator divided by the row sum.
-    """
-
-    name: str  #: as ``replay.json``'s ``tolerance.emulation`` records it
-    description: str  #: what it rounds, in one line
-    fp32_probabilities: bool = False
-    output_rounding: str = "nearest"
-    fast_tanh: bool = True
-    normalized_probabilities: bool = False
-
-    def __post_init__(self) -> None:
-        if self.output_rounding not in ("nearest", "toward_zero"):
-            raise ValueError(f"output_rounding {self.output_rounding!r}: expected 'nearest' or 'toward_zero'")
 
 
 #: FlashAttention 2/3 (and the kernels that round as it does): the module docstring.
@@ -336,9 +316,7 @@ def emulate_flash_attention(
         # The P.V operand dtype: e4m3 on the fp8 path, else the dtype Q/K/V enter the kernel in.
         element=query.dtype if query.dtype in (torch.bfloat16, torch.float16) else torch.float32,
         p_offset=float(2**FP8_MAX_OFFSET) if fp8_query else 1.0,
-        fp32_probabilities=emulation.fp32_probabilities,
-        fast_tanh=emulation.fast_tanh,
-        normalized_probabilities=emulation.normalized_probabilities,
+        emulation=emulation,
     )
     out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float32)
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()

@@ -28,7 +28,16 @@ import torch
 from reference_impl.common import cdiv
 from reference_impl.gathered import batched_bmm, visibility
 
-__all__ = ["FP8_MAX_OFFSET", "StepRounding", "convert_kv", "emulate_decode", "emulate_sequence", "probabilities"]
+__all__ = [
+    "FP8_MAX_OFFSET",
+    "Emulation",
+    "StepRounding",
+    "convert_kv",
+    "emulate_decode",
+    "emulate_sequence",
+    "probabilities",
+    "softmax_first",
+]
 
 #: FA3's fp8 softmax subtracts 8 from the log2 max: P lies in [0, 2^8] before it is rounded to e4m3.
 FP8_MAX_OFFSET = 8
@@ -42,6 +51,32 @@ MAX_SCORE_ELEMS = 1 << 24
 #: Gathered K elements (one of K/V, fp32) of one batch of decode rows: rows of one length are
 #: taken this many elements at a time, so that a batch stays near the CPU's caches.
 MAX_DECODE_ELEMS = 1 << 18
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """How the kernel a trace ran rounds: its bar's low-precision baseline (:mod:`reference_impl.emulation` names each).
+
+    ``fp32_probabilities``: P·V takes P (and a soft-cap its tanh, an fp8 cache its scaled
+    values) in fp32, unrounded; False: as FlashAttention, P rounded to the P·V operand dtype.
+    ``output_rounding``: how the fp32 output becomes bf16, ``nearest`` (even) or
+    ``toward_zero`` (the low 16 bits dropped). Other output dtypes round to nearest.
+    ``fast_tanh``: a soft-cap's tanh to 11 significant bits (``tanh.approx.f32``); False: fp32.
+    ``normalized_probabilities``: P is divided by its fp32 row sum *before* it is rounded to the
+    P·V operand dtype, and P·V is the output (a softmax, then a matrix product); False: as
+    FlashAttention, the unnormalised P is rounded and the fp32 accumulator divided by the row sum.
+    """
+
+    name: str  #: as ``replay.json``'s ``tolerance.emulation`` records it
+    description: str  #: what it rounds, in one line
+    fp32_probabilities: bool = False
+    output_rounding: str = "nearest"
+    fast_tanh: bool = True
+    normalized_probabilities: bool = False
+
+    def __post_init__(self) -> None:
+        if self.output_rounding not in ("nearest", "toward_zero"):
+            raise ValueError(f"output_rounding {self.output_rounding!r}: expected 'nearest' or 'toward_zero'")
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,9 +98,7 @@ class StepRounding:
     fp8_cache: bool
     element: torch.dtype  #: the P·V operand dtype the probabilities are rounded to
     p_offset: float  #: ``2 ** FP8_MAX_OFFSET`` on the fp8 path, else 1
-    fp32_probabilities: bool  #: ``Emulation.fp32_probabilities``: P (and an fp8 cache's values) unrounded
-    fast_tanh: bool  #: ``Emulation.fast_tanh``: a soft-cap's tanh to 11 significant bits
-    normalized_probabilities: bool = False  #: ``Emulation.normalized_probabilities``: P / row sum, then rounded
+    emulation: Emulation  #: how the kernel rounds P, a soft-cap's tanh and the softmax's division
 
     @property
     def num_heads(self) -> int:
@@ -86,7 +119,7 @@ def convert_kv(k: torch.Tensor, v: torch.Tensor, r: StepRounding) -> tuple[torch
     """Stored K/V (any shape) as the fp32 values the kernel multiplies."""
     if r.fp8_query:
         return k.to(torch.float32), v.to(torch.float32)  # raw e4m3 values; descales come later
-    if r.fp8_cache and r.fp32_probabilities:  # the CPU kernel folds the scales into fp32
+    if r.fp8_cache and r.emulation.fp32_probabilities:  # the CPU kernel folds the scales into fp32
         return k.to(torch.float32) * r.k_scale, v.to(torch.float32) * r.v_scale
     if r.fp8_cache:
         return round_to(k.to(torch.float32) * r.k_scale, r.element), round_to(
@@ -108,7 +141,7 @@ def probabilities(
     """
     if r.softcap > 0:
         t = torch.tanh(s * (r.score_scale / r.softcap))
-        s = r.softcap * (round_to(t, TANH_DTYPE) if r.fast_tanh else t)
+        s = r.softcap * (round_to(t, TANH_DTYPE) if r.emulation.fast_tanh else t)
     else:
         s = s * r.score_scale
     if r.alibi_slopes is not None:
@@ -128,10 +161,16 @@ def probabilities(
         row_sum = row_sum + torch.exp(r.sinks.to(torch.float32).view(r.num_kv_heads, r.group, 1) - m) * r.p_offset
     if r.fp8_query:
         return p.to(torch.float8_e4m3fn).to(torch.float32), row_sum
-    if r.normalized_probabilities:  # a softmax, then P.V: the row sum is already divided out (x / 1 is x)
-        p = torch.where(row_sum[..., None] > 0, p / row_sum.clamp_min(1e-38)[..., None], 0.0)
-        row_sum = (row_sum > 0).to(row_sum.dtype)
-    return (p if r.fp32_probabilities else round_to(p, r.element)), row_sum
+    if r.emulation.normalized_probabilities:
+        p, row_sum = softmax_first(p, row_sum)
+    return (p if r.emulation.fp32_probabilities else round_to(p, r.element)), row_sum
+
+
+def softmax_first(p: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P / row sum, 1)`` (0 where nothing is visible): a softmax before P.V, whose later division
+    by the returned sum changes nothing (``x / 1`` is ``x``): ``Emulation.normalized_probabilities``."""
+    p = torch.where(row_sum[..., None] > 0, p / row_sum.clamp_min(1e-38)[..., None], 0.0)
+    return p, (row_sum > 0).to(row_sum.dtype)
 
 
 def normalise(acc: torch.Tensor, row_sum: torch.Tensor, r: StepRounding) -> torch.Tensor:

@@ -38,6 +38,7 @@ import torch
 
 from reference_impl.common import FP8_STORAGE, add_sinks, cdiv
 from reference_impl.emulation import FLASH, FP8_MAX_OFFSET, Emulation, round_output
+from reference_impl.emulation_rows import softmax_first
 from reference_impl.gathered import visibility
 
 __all__ = ["DEVICES", "PAD_SLACK", "select_device", "step_kwargs", "step_outputs"]
@@ -326,9 +327,8 @@ def _step_outputs(
         row_sum = p32.sum(dim=-1)
         if sink is not None:
             row_sum = row_sum + torch.exp(sink[None, :, :, None] - m32) * p_offset
-        if emulation.normalized_probabilities and not fp8_path:  # softmax first (emulation_rows.probabilities)
-            p32 = torch.where(row_sum[..., None] > 0, p32 / row_sum.clamp_min(1e-38)[..., None], 0.0)
-            row_sum = (row_sum > 0).to(row_sum.dtype)
+        if emulation.normalized_probabilities and not fp8_path:
+            p32, row_sum = softmax_first(p32, row_sum)
         if fp8_path:
             p_op = p32.to(torch.float8_e4m3fn).to(torch.float32)
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference_impl.emulation import CPU_VEC_TOWARD_ZERO, FLASH, TRITON, Emulation
+from reference_impl.emulation import CPU_VEC_TOWARD_ZERO, FLASH, FLEX_EAGER, TRITON, Emulation
 from reference_impl.emulation_rows import StepRounding, emulate_decode, emulate_sequence
 
 
@@ -27,8 +27,7 @@ def _rounding(h: int, g: int, d: int, variant: str, emulation: Emulation, gen: t
         fp8_cache=fp8,
         element=torch.float16 if variant == "fp16" else torch.bfloat16,
         p_offset=256.0 if variant == "fp8-query" else 1.0,
-        fp32_probabilities=emulation.fp32_probabilities,
-        fast_tanh=emulation.fast_tanh,
+        emulation=emulation,
     )
 
 
@@ -37,6 +36,8 @@ def _rounding(h: int, g: int, d: int, variant: str, emulation: Emulation, gen: t
     ("variant", "emulation"),
     [
         ("plain", FLASH),
+        ("plain", FLEX_EAGER),
+        ("sinks", FLEX_EAGER),
         ("softcap", FLASH),
         ("softcap", TRITON),
         ("alibi", FLASH),
