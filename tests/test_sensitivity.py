@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import fixture_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,3 +51,25 @@ def test_a_zeroed_query_row_is_planted_among_the_kept_rows_of_a_query_rows_trace
     assert max(r.num_actual_tokens for r in targets) > 8  # a prefill: more tokens than rows kept
     zero = s.run_mutation(fx, "query_zero", targets)
     assert zero.status == "caught" and zero.caught == len(targets) and zero.by == ("attention",)
+
+
+BACKEND_TRACES = sorted(p.name for p in EAGER.parent.iterdir() if p.name.startswith("h100-qwen2.5-7b-"))
+
+
+def test_every_backend_trace_is_committed():
+    assert {n.removeprefix("h100-qwen2.5-7b-") for n in BACKEND_TRACES} >= {
+        "triton-default",
+        "triton-eager",
+        "flex-eager",
+        "flashinfer-eager",
+        "hnd-eager",
+    }
+
+
+@pytest.mark.parametrize("name", BACKEND_TRACES)
+def test_a_scale_of_1_02_is_caught_on_every_backend_trace(name):
+    s = _sensitivity()
+    fx = s._Fixture(fixture_path(name))
+    targets = fx.targets(2)
+    scale = s.run_mutation(fx, "scale", targets)
+    assert (scale.status, scale.caught, scale.by) == ("caught", len(targets), ("attention",))

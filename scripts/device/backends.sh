@@ -8,7 +8,8 @@
 # 3. runs vLLM's own kernels on the HND FlashAttention trace: replay --kernel vllm:TRITON_ATTN and
 #    vllm:FLASH_ATTN, then `pagedtrace backends` on every fixture;
 # 4. greedy tokens untraced, traced, untraced per backend (scripts/device/tokens.py, tiny preset).
-# PAGEDTRACE_BACKEND_FIXTURES (names of scripts/make_fixtures.py) picks the fixtures.
+# PAGEDTRACE_BACKEND_FIXTURES (names of scripts/make_fixtures.py) picks the fixtures, PAGEDTRACE_TOKEN_CASES
+# (comma-separated cases of scripts/device/tokens.py) the token cases.
 # Writes into $OUT (5 files): backends.log (everything), fixtures.tar (the traces, for tests/fixtures/),
 # replay.json (the replays on this host), backends-tables.txt, tokens.json. Phases past the time budget
 # are skipped and said so in the log.
@@ -71,7 +72,7 @@ for t in "${TRACES[@]}"; do
 done
 
 echo "== 4. greedy tokens, traced vs untraced ($(left) s left)"
-[ "$(left)" -gt 60 ] && python3 scripts/device/tokens.py "$OUT/tokens.json" --budget-s "$(left)" \
-  "TRITON_ATTN default" "TRITON_ATTN eager" "FLEX_ATTENTION eager" "FLASH_ATTN HND eager"
+IFS=, read -r -a CASES <<< "${PAGEDTRACE_TOKEN_CASES:-TRITON_ATTN default,TRITON_ATTN eager,FLEX_ATTENTION eager,FLASH_ATTN HND eager}"
+[ "$(left)" -gt 60 ] && python3 scripts/device/tokens.py "$OUT/tokens.json" --budget-s "$(left)" "${CASES[@]}"
 echo "backends.sh: done in $(( $(date +%s) - START )) s; files: $(ls "$OUT" | tr '\n' ' ')"
 rm -rf "$W"
