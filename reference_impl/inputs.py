@@ -145,6 +145,7 @@ def step_inputs(
     *,
     flash_attn_version: int | None = None,
     emulation: Emulation = FLASH,
+    device: torch.device | str | None = None,
 ) -> StepInputs:
     """Read one (step, layer)'s captured tensors into kernel inputs.
 
@@ -155,6 +156,8 @@ def step_inputs(
     the query is what FA3's fp8 path got (see the module docstring; ``flash_attn_version``
     is the trace's ``RunInfo.flash_attn_version``). ``emulation``: how the trace's kernel
     rounds (``reference_impl.emulation.emulation_of(trace.run)``), for the bar's baseline.
+    ``device``: where the query and the caches go (a GPU reads the layout there); the block
+    table, lengths and starts stay on the CPU. None: where the tensors are.
 
     Raises:
         TraceError: ``query``, ``output``, ``kv_blocks`` or ``kv_block_ids`` was not captured,
@@ -163,8 +166,10 @@ def step_inputs(
     missing_names = {"query", "output", "kv_blocks", "kv_block_ids"} - tensors.keys()
     if missing_names:
         raise TraceError(f"step {record.step} layer {record.layer}: tensors {sorted(missing_names)} not captured")
-    query, output = tensors["query"], tensors["output"]
-    key_cache, value_cache = read_cache(tensors["kv_blocks"], layout, spec.head_size)
+    query, output, kv_blocks = tensors["query"], tensors["output"], tensors["kv_blocks"]
+    if device is not None:
+        query, kv_blocks = query.to(device), kv_blocks.to(device)
+    key_cache, value_cache = read_cache(kv_blocks, layout, spec.head_size)
     notes = []
     block_table, lens, starts, kept = record.block_table, record.seq_lens, record.query_start_loc, None
     if QUERY_ROWS in tensors:  # format 4: some rows kept, each judged as a one-token request

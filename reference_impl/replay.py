@@ -170,9 +170,18 @@ def replay_record(
         The step's result and, with ``check_legacy``, the legacy check (None when the
         head size is not a multiple of ``x``).
     """
-    inputs = step_inputs(record, tensors, spec, layout, flash_attn_version=flash_attn_version, emulation=emulation)
+    on_gpu = device is not None and torch.device(device).type != "cpu"
+    inputs = step_inputs(
+        record,
+        tensors,
+        spec,
+        layout,
+        flash_attn_version=flash_attn_version,
+        emulation=emulation,
+        device=device if on_gpu else None,
+    )
     output, num = tensors["output"], inputs.num_tokens
-    if device is not None and torch.device(device).type != "cpu":
+    if on_gpu:
         # The verdict is computed where the pass ran: only the per-head numbers come back.
         expected, baseline = step_outputs(*inputs.args, **step_kwargs(inputs), device=device, to_cpu=False)
         assert expected is not None
@@ -222,11 +231,11 @@ def replay_record(
     if check_legacy:
         legacy = check_legacy_path(
             record,
-            inputs.key_cache,
-            inputs.value_cache,
+            inputs.key_cache.cpu(),
+            inputs.value_cache.cpu(),
             inputs.block_table,
             expected.cpu(),
-            inputs.query,
+            inputs.query.cpu(),
             spec,
             kernel,
             seq_lens=inputs.seq_lens,
@@ -299,11 +308,12 @@ def replay_trace(
             It is a storage-order identity: the sample proves it at a fraction of a rerun
             per step.
         device: where the reference runs (see :func:`replay_record`; None: the CPU).
-        workers: processes replaying on the CPU, each a share of consecutive records with
+        workers: processes replaying, each a share of consecutive records with
             :data:`REPLAY_THREADS` torch threads (:mod:`reference_impl.workers`; the report is
             the same whatever the count); None: one per CPU core, for at least
-            :data:`reference_impl.workers.MIN_RECORDS_PER_WORKER` records each. A GPU
-            replays in one process.
+            :data:`reference_impl.workers.MIN_RECORDS_PER_WORKER` records each (on a GPU, each
+            with its own CUDA context: :func:`reference_impl.workers.worker_count`). A process
+            that has initialised CUDA replays on the GPU alone.
 
     Returns:
         The report; ``report.ok`` is the verdict.
@@ -387,6 +397,7 @@ def replay_trace(
     # A step's work grows with the keys its rows read, plus a share per row.
     costs = [sum(r.seq_lens) + 64 * r.num_reqs for r in with_tensors]
     processes = worker_count(workers, len(with_tensors), device)
+    on_gpu = device is not None and torch.device(device).type != "cpu"
     metadata: tuple[MetadataCheck, ...] = ()
 
     def check_metadata() -> None:  # in this process, while the workers replay
@@ -395,7 +406,14 @@ def replay_trace(
 
     with _torch_threads(REPLAY_THREADS):
         run_records(
-            replay_one, len(with_tensors), costs, processes, collect, outcome_type=_Outcome, meanwhile=check_metadata
+            replay_one,
+            len(with_tensors),
+            costs,
+            processes,
+            collect,
+            outcome_type=_Outcome,
+            meanwhile=check_metadata,
+            warm_up=torch.cuda.init if on_gpu and processes > 1 else None,
         )
     done = [o for o in outcomes if o is not None]
     results = [o.result for o in done]

@@ -362,12 +362,18 @@ def select_device(name: str | None = None) -> torch.device:
         ValueError: ``name`` is not one of :data:`DEVICES`, or is ``cuda`` without a GPU.
     """
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if gpu_present() else "cpu")
     if name not in DEVICES:
         raise ValueError(f"device {name!r}: use one of {', '.join(DEVICES)}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda': no GPU is present here (torch.cuda.is_available() is False); use --device cpu")
+    if name == "cuda" and not gpu_present():
+        raise ValueError("device 'cuda': no GPU is present here (torch.cuda.device_count() is 0); use --device cpu")
     return torch.device(name)
+
+
+def gpu_present() -> bool:
+    """A CUDA GPU is present, asked through NVML where it can be: unlike ``torch.cuda.is_available()``,
+    that leaves CUDA uninitialised, so forked replay workers can each open their own context."""
+    return torch.cuda.device_count() > 0
 
 
 def _dequantize(raw: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,10 @@ sends each record's outcome back as it finishes, and the parent puts them in rec
 the report is the one a single process gives, to the bit (each record is replayed by the same
 code on one thread either way).
 
-Workers are forked (Linux only: elsewhere, and on a GPU, replay stays in one process). Their
+Workers are forked (Linux only: elsewhere replay stays in one process). On a GPU each worker
+opens its own CUDA context, which CUDA allows only where this process has not initialised CUDA
+before the fork (:func:`cuda_fork_safe`; :func:`reference_impl.step_pass.select_device` asks NVML,
+which does not); a worker that cannot is a failed worker (below). Their
 messages (:class:`Replayed`, :class:`Failed`, :class:`Finished`) are msgpack through ``msgspec``,
 an outcome decoded as the caller's type, to the bit. A worker that fails sends only where: the
 caller replays the rest of that share itself, so the error it raises is the one a single process
@@ -19,10 +22,12 @@ Imports torch and ``msgspec`` only.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -30,11 +35,30 @@ from typing import Any
 import msgspec
 import torch
 
-__all__ = ["MIN_RECORDS_PER_WORKER", "Failed", "Finished", "Replayed", "run_records", "shares", "worker_count"]
+__all__ = [
+    "MAX_GPU_WORKERS",
+    "MIN_RECORDS_PER_GPU_WORKER",
+    "MIN_RECORDS_PER_WORKER",
+    "Failed",
+    "Finished",
+    "Replayed",
+    "cuda_fork_safe",
+    "run_records",
+    "shares",
+    "worker_count",
+]
 
 #: A worker is started for at least this many records (fewer share a process: a fork and a
 #: write log rebuilt from its run's start cost more than they save).
 MIN_RECORDS_PER_WORKER = 32
+
+#: On a GPU a worker's record costs a third of a CPU worker's (the GPU runs the reference and
+#: the emulation), so fewer records pay for a fork; each also opens a CUDA context (about 0.15 s
+#: of the driver's time, one context after another, and 0.5 GB of GPU memory).
+MIN_RECORDS_PER_GPU_WORKER = 16
+
+#: At most this many GPU workers: more contexts wait longer for the driver than they save.
+MAX_GPU_WORKERS = 8
 
 
 class Replayed(msgspec.Struct, tag=True, array_like=True):
@@ -64,21 +88,32 @@ def can_fork() -> bool:
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
+def cuda_fork_safe() -> bool:
+    """A forked child of this process can open its own CUDA context: this process has not
+    initialised CUDA (``torch.cuda.device_count`` through NVML does not)."""
+    return not torch.cuda.is_initialized()
+
+
 def worker_count(requested: int | None, records: int, device: torch.device | str | None) -> int:
     """How many processes replay ``records`` records.
 
     Args:
         requested: the caller's count; None: one per CPU this process may run on, as long as
-            each gets :data:`MIN_RECORDS_PER_WORKER` records. Never more than the records.
-        device: a GPU replays in one process.
+            each gets :data:`MIN_RECORDS_PER_WORKER` records (on a GPU
+            :data:`MIN_RECORDS_PER_GPU_WORKER`, and at most :data:`MAX_GPU_WORKERS`). Never more
+            than the records.
+        device: where the records replay; a GPU in a process that has initialised CUDA: one process.
     """
     if requested is not None and requested < 1:
         raise ValueError(f"workers {requested}: expected a positive number of processes")
-    if not can_fork() or (device is not None and torch.device(device).type != "cpu"):
+    gpu = device is not None and torch.device(device).type != "cpu"
+    if not can_fork() or (gpu and not cuda_fork_safe()):
         return 1
     if requested is not None:
         return max(1, min(requested, records))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if gpu:
+        return max(1, min(cpus, MAX_GPU_WORKERS, records // MIN_RECORDS_PER_GPU_WORKER))
     return max(1, min(cpus, records // MIN_RECORDS_PER_WORKER))
 
 
@@ -104,6 +139,7 @@ def run_records(
     *,
     outcome_type: Any = Any,
     meanwhile: Callable[[], None] | None = None,
+    warm_up: Callable[[], None] | None = None,
 ) -> None:
     """``on_outcome(i, replay_one(i))`` for every ``i < count``, in this process or over ``workers``.
 
@@ -112,6 +148,8 @@ def run_records(
     dataclasses, named tuples, plain values). An error in a worker is raised here by replaying
     the rest of its share in this process; it stops the other workers.
     ``meanwhile`` runs here once, while the workers replay (first, in one process).
+    ``warm_up`` runs in each worker beside its first records, on a thread of its own (a GPU
+    worker opens its CUDA context there); whatever it raises, the records raise again.
     """
     if workers <= 1 or count <= 1:
         if meanwhile is not None:
@@ -125,7 +163,7 @@ def run_records(
     try:
         for share in shares(costs, workers):
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(target=_work, args=(replay_one, share, send), daemon=True)
+            process = context.Process(target=_work, args=(replay_one, share, send, warm_up), daemon=True)
             process.start()
             send.close()
             processes.append(process)
@@ -157,8 +195,12 @@ def run_records(
             process.join()
 
 
-def _work(replay_one: Callable[[int], Any], share: range, send: Connection) -> None:
+def _work(
+    replay_one: Callable[[int], Any], share: range, send: Connection, warm_up: Callable[[], None] | None = None
+) -> None:
     """A worker: replay its share, one message per record, then :class:`Finished` (or :class:`Failed`)."""
+    if warm_up is not None:
+        threading.Thread(target=_quietly, args=(warm_up,), daemon=True).start()
     i = share.start
     try:
         for i in share:
@@ -169,3 +211,9 @@ def _work(replay_one: Callable[[int], Any], share: range, send: Connection) -> N
         send.send_bytes(_ENCODER.encode(Finished()))
     finally:
         send.close()
+
+
+def _quietly(call: Callable[[], None]) -> None:
+    """``call()``, its error dropped: the work it prepares raises it again where it is handled."""
+    with contextlib.suppress(Exception):
+        call()

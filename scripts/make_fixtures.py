@@ -158,6 +158,10 @@ FIXTURES: dict[str, Fixture] = {
         "FLEX_ATTENTION eager, tensors of layer 0 (eager Flex expands the whole cache per query head: 1024 blocks)",
         f"{QWEN} {BACKEND_SHORT} --attention-backend FLEX_ATTENTION --eager --num-blocks 1024",
     ),
+    "h100-qwen2.5-7b-flex-default": Fixture(
+        "FLEX_ATTENTION in the default graph mode (flex_attention compiled by torch.compile), tensors of layer 0",
+        f"{QWEN} {BACKEND_SHORT} --attention-backend FLEX_ATTENTION {DEFAULT_MODE}",
+    ),
     "h100-qwen2.5-7b-flashinfer-eager": Fixture(
         "FLASHINFER eager, tensors of layer 0 and FlashInfer's paged_kv_indptr / indices / last_page_len",
         f"{QWEN} {BACKEND_SHORT} --attention-backend FLASHINFER --eager",

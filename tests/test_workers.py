@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
+from reference_impl import workers
 from reference_impl.replay import replay_trace
-from reference_impl.workers import MIN_RECORDS_PER_WORKER, can_fork, run_records, shares, worker_count
+from reference_impl.workers import (
+    MAX_GPU_WORKERS,
+    MIN_RECORDS_PER_GPU_WORKER,
+    MIN_RECORDS_PER_WORKER,
+    can_fork,
+    run_records,
+    shares,
+    worker_count,
+)
 from tracer.format import Trace, TraceError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -28,9 +39,23 @@ def test_worker_count():
     assert worker_count(1, 500, None) == 1
     assert worker_count(None, MIN_RECORDS_PER_WORKER - 1, None) == 1
     assert worker_count(8, 3, None) <= 3
-    assert worker_count(4, 500, "cuda") == 1
     with pytest.raises(ValueError, match="positive"):
         worker_count(0, 10, None)
+
+
+@pytest.mark.skipif(not can_fork(), reason="workers are forked (Linux)")
+def test_gpu_workers_each_open_a_context_only_where_this_process_has_none(monkeypatch):
+    monkeypatch.setattr(workers, "cuda_fork_safe", lambda: True)
+    assert worker_count(4, 500, "cuda") == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(64)), raising=False)
+    assert worker_count(None, 10_000, "cuda") == MAX_GPU_WORKERS
+    assert worker_count(None, 3 * MIN_RECORDS_PER_GPU_WORKER, "cuda") == 3
+    assert (
+        worker_count(None, 3 * MIN_RECORDS_PER_GPU_WORKER, None)
+        == 3 * MIN_RECORDS_PER_GPU_WORKER // MIN_RECORDS_PER_WORKER
+    )
+    monkeypatch.setattr(workers, "cuda_fork_safe", lambda: False)  # CUDA initialised here: one process
+    assert worker_count(4, 500, "cuda") == 1
 
 
 def _without_time(report) -> dict:
@@ -67,3 +92,26 @@ def test_outcomes_come_back_for_every_record():
     got: dict[int, int] = {}
     run_records(lambda i: i * i, 7, [1.0] * 7, 3, got.__setitem__)
     assert got == {i: i * i for i in range(7)}
+
+
+@needs_fork
+def test_each_worker_warms_up_beside_its_records_and_a_failing_warm_up_changes_nothing(tmp_path):
+    def warm_up() -> None:
+        (tmp_path / str(os.getpid())).touch()
+
+    def slow(i: int) -> int:
+        time.sleep(0.1)  # the warm-up thread runs beside the records, and a worker ends with its last one
+        return i + 1
+
+    got: dict[int, int] = {}
+    run_records(slow, 6, [1.0] * 6, 3, got.__setitem__, warm_up=warm_up)
+    assert got == {i: i + 1 for i in range(6)}
+    assert len(list(tmp_path.iterdir())) == 3  # one per worker, none in this process
+    assert not (tmp_path / str(os.getpid())).exists()
+
+    def broken() -> None:
+        raise RuntimeError("no GPU here")
+
+    got.clear()
+    run_records(lambda i: -i, 4, [1.0] * 4, 2, got.__setitem__, warm_up=broken)
+    assert got == {i: -i for i in range(4)}

@@ -4,7 +4,8 @@
 # Runs benchmarks/gpu_overhead.py's 192-step default-mode workload (qwen2.5-7b-instruct preset, 3 batches of 32
 # prompts, 64 new tokens) with tensors for layer 0, keeping the trace; then replays it with --device cuda and
 # --device cpu (replay.json of each kept under $OUT), prints both times, the generate time, and whether the two
-# replays' verdicts agree step by step (attention verdict per step and per head, write path, legacy).
+# replays' verdicts agree step by step (attention verdict per step and per head, write path, legacy); then
+# times the GPU replay with 4 workers and in one process.
 set -uo pipefail
 OUT=${OUT:?set OUT to an output directory}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -18,11 +19,13 @@ python3 benchmarks/gpu_overhead.py --model qwen2.5-7b-instruct --modes default -
   --out "$OUT/bench" --json "$OUT/gpu-overhead.json" > "$OUT/gpu-overhead.txt" 2>&1
 echo "engine: exit $? after $(( $(date +%s) - start )) s (log: $OUT/gpu-overhead.txt)"
 TRACE="$OUT/bench/default-tensors-l0"
-python3 - "$TRACE" "$OUT" <<'PY' 2>&1 | tee "$OUT/replay-gpu.txt"
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/replay-gpu.txt"
+python3 - "$TRACE" "$OUT" <<'PY' 2>&1 | tee -a "$OUT/replay-gpu.txt"
 import json, sys, time
 from pathlib import Path
 import torch
 from reference_impl.replay import replay_trace
+from reference_impl.workers import worker_count
 from tracer.format import Trace
 
 trace_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
@@ -30,18 +33,22 @@ bench = json.loads((out / "gpu-overhead.json").read_text())
 cases = bench["cases"] if isinstance(bench, dict) and "cases" in bench else bench
 case = next(c for c in (cases if isinstance(cases, list) else cases.values()) if c.get("case") == "tensors-l0")
 generate_s = case["generate_s"]
-print(f"GPU: {torch.cuda.get_device_name(0)}; engine generate (3 batches, tensors of layer 0): {generate_s:.3f} s")
+print(f"engine generate (3 batches, tensors of layer 0): {generate_s:.3f} s")
 reports = {}
-for device in ("cuda", "cpu"):
+# The parent must not initialise CUDA before GPU workers fork (each opens its own context), so the runs
+# with workers go first and the one-process GPU run last.
+for device, workers in (("cuda", None), ("cuda", 4), ("cpu", None), ("cuda", 1)):
     start = time.perf_counter()
-    report = replay_trace(Trace.open(trace_dir), device=device)
-    if device == "cuda":
+    report = replay_trace(Trace.open(trace_dir), device=device, workers=workers)
+    if device == "cuda" and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    reports[device] = report
-    (out / f"replay-{device}.json").write_text(json.dumps(report.to_json(), indent=1))
+    processes = worker_count(workers, len(report.steps), device) if workers != 1 else 1
+    if workers is None:
+        reports[device] = report
+        (out / f"replay-{device}.json").write_text(json.dumps(report.to_json(), indent=1))
     n = len(report.steps)
-    print(f"replay --device {device}: {n} steps in {seconds:.2f} s = {n / seconds:.1f} steps/s; "
+    print(f"replay --device {device} ({processes} processes): {n} steps in {seconds:.2f} s = {n / seconds:.1f} steps/s; "
           f"replay / generate = {seconds / generate_s:.2f}x; verdict {'ok' if report.ok else 'MISMATCH'}")
 gpu, cpu = reports["cuda"], reports["cpu"]
 differ = [

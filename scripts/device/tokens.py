@@ -44,6 +44,7 @@ CASES: dict[str, tuple[dict[str, object], dict[str, str]]] = {
         {"attention_backend": "FLASH_ATTN", "enforce_eager": True},
         {"VLLM_KV_CACHE_LAYOUT": "HND"},
     ),
+    "FLEX_ATTENTION default": ({"attention_backend": "FLEX_ATTENTION", "cudagraph_mode": "FULL_AND_PIECEWISE"}, {}),
     "FLASHINFER eager": ({"attention_backend": "FLASHINFER", "enforce_eager": True}, {}),
 }
 
