@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,9 @@ TANH_DTYPE = torch.float16
 #: Logits held at once (fp32): the query chunk of a sequence is cut to stay under this.
 MAX_SCORE_ELEMS = 1 << 24
 
-#: Gathered K elements (one of K/V, fp32) of one batch of decode rows: rows of one length are
-#: taken this many elements at a time, so that a batch stays near the CPU's caches.
-MAX_DECODE_ELEMS = 1 << 18
+#: Gathered K elements (one of K/V, as stored) of one batch of decode rows: rows are taken about
+#: this many elements at a time, so that a batch's K/V, logits and probabilities stay within a few MB.
+MAX_DECODE_ELEMS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -137,40 +138,81 @@ def probabilities(
 
     ``distance [t, n]``, ``|query position - key position|`` in fp32 (needed with ALiBi only),
     and the mask ``visible [t, n]`` (:func:`reference_impl.gathered.visibility`; None: every
-    key) are the same for every leading index.
+    key) are the same for every leading index. The steps are :func:`scores`, :func:`biased`,
+    the row max through :func:`row_max`, :func:`exponentials`, the row sum and
+    :func:`operand`: :func:`emulate_decode` runs the same ones over many rows at once.
     """
+    s = biased(scores(s, r), distance, visible, r)
+    m = row_max(s.amax(dim=-1), r)  # [..., h, g, t]
+    p = exponentials(s, m[..., None], r)
+    return operand(p, p.sum(dim=-1), m, r)
+
+
+def scores(s: torch.Tensor, r: StepRounding) -> torch.Tensor:
+    """Elementwise: the fp32 sums ``q·k`` as the softmax takes them (scaled, or through the soft-cap's tanh)."""
     if r.softcap > 0:
         t = torch.tanh(s * (r.score_scale / r.softcap))
-        s = r.softcap * (round_to(t, TANH_DTYPE) if r.emulation.fast_tanh else t)
-    else:
-        s = s * r.score_scale
+        return r.softcap * (round_to(t, TANH_DTYPE) if r.emulation.fast_tanh else t)
+    return s * r.score_scale
+
+
+def biased(
+    s: torch.Tensor, distance: torch.Tensor | None, visible: torch.Tensor | None, r: StepRounding
+) -> torch.Tensor:
+    """``s [..., h, g, t, n]`` with ALiBi's bias taken off and the keys outside ``visible`` at -inf."""
     if r.alibi_slopes is not None:
         assert distance is not None
         s = s - r.alibi_slopes.to(torch.float32).view(r.num_kv_heads, r.group, 1, 1) * distance
     if visible is not None:
         s = s.masked_fill(~visible, -math.inf)
-    m = s.amax(dim=-1)  # [..., h, g, t]
+    return s
+
+
+def row_max(m: torch.Tensor, r: StepRounding) -> torch.Tensor:
+    """The softmax's max ``[..., h, g, t]`` from the logits' row max: with the sinks, 0 where nothing is visible."""
     if r.sinks is not None:
         m = torch.maximum(m, r.sinks.to(torch.float32).view(r.num_kv_heads, r.group, 1))
-    m = torch.where(torch.isinf(m), 0.0, m)
-    p = torch.exp(s - m[..., None])
-    if r.p_offset != 1.0:  # x * 1 is x, to the bit
-        p = p * r.p_offset
-    row_sum = p.sum(dim=-1)
+    return torch.where(torch.isinf(m), 0.0, m)
+
+
+def exponentials(s: torch.Tensor, m: torch.Tensor, r: StepRounding) -> torch.Tensor:
+    """Elementwise: ``exp(s - m)`` (``m`` broadcast to ``s``), times the fp8 path's offset."""
+    p = torch.exp(s - m)
+    return p * r.p_offset if r.p_offset != 1.0 else p  # x * 1 is x, to the bit
+
+
+def operand(
+    p: torch.Tensor,
+    row_sum: torch.Tensor,
+    m: torch.Tensor,
+    r: StepRounding,
+    spread: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(P as P·V takes it, the row sum the output is divided by)`` from the exponentials and their row sum
+    ``[..., h, g, t]`` (a sink's share added here); ``m``: :func:`row_max`'s, same shape as ``row_sum``.
+    ``spread``: a row value broadcast to ``p`` (default ``x[..., None]``)."""
     if r.sinks is not None:
         row_sum = row_sum + torch.exp(r.sinks.to(torch.float32).view(r.num_kv_heads, r.group, 1) - m) * r.p_offset
     if r.fp8_query:
         return p.to(torch.float8_e4m3fn).to(torch.float32), row_sum
     if r.emulation.normalized_probabilities:
-        p, row_sum = softmax_first(p, row_sum)
+        p, row_sum = softmax_first(p, row_sum, spread)
     return (p if r.emulation.fp32_probabilities else round_to(p, r.element)), row_sum
 
 
-def softmax_first(p: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_first(
+    p: torch.Tensor, row_sum: torch.Tensor, spread: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(P / row sum, 1)`` (0 where nothing is visible): a softmax before P.V, whose later division
-    by the returned sum changes nothing (``x / 1`` is ``x``): ``Emulation.normalized_probabilities``."""
-    p = torch.where(row_sum[..., None] > 0, p / row_sum.clamp_min(1e-38)[..., None], 0.0)
+    by the returned sum changes nothing (``x / 1`` is ``x``): ``Emulation.normalized_probabilities``.
+    ``spread``: a row value broadcast to ``p`` (default ``x[..., None]``)."""
+    spread = spread or _last_axis
+    p = torch.where(spread(row_sum) > 0, p / spread(row_sum.clamp_min(1e-38)), 0.0)
     return p, (row_sum > 0).to(row_sum.dtype)
+
+
+def _last_axis(x: torch.Tensor) -> torch.Tensor:
+    return x[..., None]
 
 
 def normalise(acc: torch.Tensor, row_sum: torch.Tensor, r: StepRounding) -> torch.Tensor:
@@ -216,6 +258,9 @@ def emulate_decode(
 ) -> torch.Tensor:
     """The one-query rows of a step, batched by length: what :func:`emulate_sequence` gives each.
 
+    Rows are sorted by length and taken in batches of about :data:`MAX_DECODE_ELEMS` gathered
+    elements, lengths mixed (:func:`_decode_batch`).
+
     Args:
         query: ``[T, H, D]``.
         key_cache, value_cache: ``[nb, bs, H_kv, D]`` as stored.
@@ -229,46 +274,98 @@ def emulate_decode(
     block_size = key_cache.shape[1]
     key_cache, value_cache = as_stored(key_cache), as_stored(value_cache)
     h, g, d = r.num_kv_heads, r.group, r.head_size
-    left = r.window[0]
     order = sorted(range(len(decode)), key=lambda i: decode[i][2])
+    lens = [decode[i][2] for i in order]
+    blocks = [table[decode[i][0]][: cdiv(decode[i][2], block_size)] for i in order]
     query = query.index_select(0, torch.tensor([decode[i][1] for i in order])).to(torch.float32)
-    # Every row's blocks, in that order, read through one buffer per cache: fresh tensors per
-    # batch would cost page faults on every call.
-    flat: list[int] = []
-    first_block = [0]
-    for i in order:
-        flat += table[decode[i][0]][: cdiv(decode[i][2], block_size)]
-        first_block.append(len(flat))
-    ids = torch.tensor(flat, dtype=torch.long)
-    widest = max(first_block[x + 1] - first_block[x] for x in range(len(order)))
-    rows_per_batch = max(1, MAX_DECODE_ELEMS // (widest * block_size * h * d))
-    raw = [torch.empty((rows_per_batch * widest, *c.shape[1:]), dtype=c.dtype) for c in (key_cache, value_cache)]
-    parts = []
-    for seq_len, same in itertools.groupby(range(len(order)), key=lambda x: decode[order[x]][2]):
-        members = list(same)
-        # A lone query at seq_len - 1 sees every key but those left of a sliding window.
-        k_pos = torch.arange(seq_len) if r.alibi_slopes is not None or 0 <= left < seq_len - 1 else None
-        visible = (
-            None
-            if k_pos is None or left < 0
-            else visibility(k_pos[-1:, None], k_pos[None], None, r.causal, r.window)[0]
+    acc = torch.empty(len(order), h, g, 1, d, dtype=torch.float32)
+    row_sum = torch.empty(len(order), h, g, 1, dtype=torch.float32)
+    block_elems = block_size * h * d
+    lo = 0
+    while lo < len(order):
+        hi, elems = lo + 1, len(blocks[lo]) * block_elems
+        while hi < len(order) and elems + len(blocks[hi]) * block_elems <= MAX_DECODE_ELEMS:
+            elems += len(blocks[hi]) * block_elems
+            hi += 1
+        ids = torch.tensor([b for row in blocks[lo:hi] for b in row], dtype=torch.long)
+        groups = [(n, len(list(same))) for n, same in itertools.groupby(lens[lo:hi])]
+        _decode_batch(
+            query[lo:hi],
+            key_cache.index_select(0, ids),
+            value_cache.index_select(0, ids),
+            groups,
+            r,
+            acc[lo:hi],
+            row_sum[lo:hi],
         )
-        distance = (
-            None if k_pos is None or r.alibi_slopes is None else (seq_len - 1 - k_pos)[None].abs().to(torch.float32)
-        )
-        for lo in range(members[0], members[-1] + 1, rows_per_batch):
-            hi = min(members[-1] + 1, lo + rows_per_batch)
-            batch_ids = ids[first_block[lo] : first_block[hi]]
-            k, v = (
-                torch.index_select(c, 0, batch_ids, out=buf[: len(batch_ids)]).view(hi - lo, -1, h, d)[:, :seq_len]
-                for c, buf in zip((key_cache, value_cache), raw, strict=True)
-            )  # [r, n, h, d]
-            k, v = convert_kv(k, v, r)
-            q = query[lo:hi].view(hi - lo, h, g, d)
-            s = batched_bmm(q, k, transpose=True)  # "rhgd,rnhd->rhgn"
-            p_op, row_sum = probabilities(s.unsqueeze(3), distance, visible, r)  # [r, h, g, 1, n]
-            acc = batched_bmm(p_op.squeeze(3), v, transpose=False)  # "rhgn,rnhd->rhgd"
-            parts.append(normalise(acc.unsqueeze(3), row_sum, r).view(hi - lo, r.num_heads, d))
+        lo = hi
     out = torch.empty(len(decode), r.num_heads, d, dtype=torch.float32)
-    out[torch.tensor(order)] = torch.cat(parts)
+    out[torch.tensor(order)] = normalise(acc, row_sum, r).view(len(order), r.num_heads, d)
     return out
+
+
+def _decode_batch(
+    query: torch.Tensor,
+    k_raw: torch.Tensor,
+    v_raw: torch.Tensor,
+    groups: list[tuple[int, int]],
+    r: StepRounding,
+    acc: torch.Tensor,
+    row_sum: torch.Tensor,
+) -> None:
+    """A batch of decode rows sorted by length: ``groups`` ``(keys, rows)`` in order, their blocks
+    ``k_raw / v_raw [nb, bs, h, d]`` as stored, row after row; fills ``acc [r, h, g, 1, d]`` (P·V,
+    fp32) and ``row_sum [r, h, g, 1]``.
+
+    The two products run per length (:func:`reference_impl.gathered.batched_bmm`: each row's bits
+    as its own call gives them), and so do the row max and the row sum (a reduction over a row's
+    own keys, never over padding); everything between them is elementwise, so it runs once over
+    the whole batch, each row's logits laid one after another in one flat buffer.
+    """
+    h, g, d = r.num_kv_heads, r.group, r.head_size
+    block_size = k_raw.shape[1]
+    left = r.window[0]
+    spans = []  # per group: (first row, rows, keys, offset in the flat buffer)
+    row = offset = 0
+    for n, rows in groups:
+        spans.append((row, rows, n, offset))
+        row, offset = row + rows, offset + rows * h * g * n
+    total_rows = row
+    flat = torch.empty(offset, dtype=torch.float32)
+    values = []
+    block = 0
+    for row, rows, n, at in spans:
+        width = cdiv(n, block_size)
+        k, v = (
+            c[block : block + rows * width].view(rows, width * block_size, h, d)[:, :n] for c in (k_raw, v_raw)
+        )  # [r, n, h, d]
+        block += rows * width
+        k, v = convert_kv(k, v, r)
+        values.append(v)
+        out = flat[at : at + rows * h * g * n].view(rows, h, g, n)
+        batched_bmm(query[row : row + rows].view(rows, h, g, d), k, transpose=True, out=out)  # "rhgd,rnhd->rhgn"
+    s = scores(flat, r)
+    m = torch.empty(total_rows, h, g, 1, dtype=torch.float32)
+    for row, rows, n, at in spans:
+        s_g = s[at : at + rows * h * g * n].view(rows, h, g, 1, n)
+        # A lone query at n - 1 sees every key but those left of a sliding window.
+        k_pos = torch.arange(n) if r.alibi_slopes is not None or 0 <= left < n - 1 else None
+        if k_pos is not None:
+            visible = None if left < 0 else visibility(k_pos[-1:, None], k_pos[None], None, r.causal, r.window)[0]
+            distance = None if r.alibi_slopes is None else (n - 1 - k_pos)[None].abs().to(torch.float32)
+            s_g.copy_(biased(s_g, distance, visible, r))
+        torch.amax(s_g, dim=-1, out=m[row : row + rows])
+    m = row_max(m, r)
+    counts = torch.tensor([n for _, rows, n, _ in spans for _ in range(rows * h * g)])
+
+    def spread(x: torch.Tensor) -> torch.Tensor:  # [r, h, g, 1] -> each value once per key of its row
+        return torch.repeat_interleave(x.reshape(-1), counts)
+
+    p = exponentials(s, spread(m), r)
+    for row, rows, n, at in spans:
+        torch.sum(p[at : at + rows * h * g * n].view(rows, h, g, 1, n), dim=-1, out=row_sum[row : row + rows])
+    p_op, sums = operand(p, row_sum, m, r, spread=spread)
+    row_sum.copy_(sums)
+    for (row, rows, n, at), v in zip(spans, values, strict=True):
+        p_g = p_op[at : at + rows * h * g * n].view(rows, h, g, n)
+        batched_bmm(p_g, v, transpose=False, out=acc[row : row + rows].view(rows, h, g, d))  # "rhgn,rnhd->rhgd"

@@ -45,7 +45,7 @@ def strided_bmm(x: torch.Tensor, y: torch.Tensor, transpose_y: bool) -> torch.Te
     return torch.stack(parts)
 
 
-def batched_bmm(x: torch.Tensor, y: torch.Tensor, transpose: bool) -> torch.Tensor:
+def batched_bmm(x: torch.Tensor, y: torch.Tensor, transpose: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x[r, h] @ y[r, :, h, :]`` (or its transpose) for every (r, h): one row's products as one call gives them.
 
     Args:
@@ -55,7 +55,7 @@ def batched_bmm(x: torch.Tensor, y: torch.Tensor, transpose: bool) -> torch.Tens
             ``c = e = d``), else ``p @ v`` (``"rhgn,rnhd->rhgd"``, ``c = n``).
 
     Returns:
-        ``[r, h, g, n]`` or ``[r, h, g, d]``.
+        ``[r, h, g, n]`` or ``[r, h, g, d]``: ``out`` when given (contiguous, that shape).
 
     Every matrix is read in place, with the strides one row's ``torch.bmm(x[i], y[i] viewed
     [h, e, n])`` (or an ``einsum`` over one row) reads it with, so each element is the bits that
@@ -66,9 +66,9 @@ def batched_bmm(x: torch.Tensor, y: torch.Tensor, transpose: bool) -> torch.Tens
     rows, heads = x.shape[0], x.shape[1]
     if heads == 1 or rows == 1:
         per_row = (y[i].permute(1, 2, 0) if transpose else y[i].permute(1, 0, 2) for i in range(rows))
-        return torch.stack([torch.bmm(x[i], yi) for i, yi in enumerate(per_row)])
+        return torch.stack([torch.bmm(x[i], yi) for i, yi in enumerate(per_row)], out=out)
     per_head = (y[:, :, j].transpose(1, 2) if transpose else y[:, :, j] for j in range(heads))
-    return torch.stack([torch.bmm(x[:, j], yj) for j, yj in enumerate(per_head)], dim=1)
+    return torch.stack([torch.bmm(x[:, j], yj) for j, yj in enumerate(per_head)], dim=1, out=out)
 
 
 def visibility(
