@@ -34,6 +34,7 @@ from reference_impl.replay import REPLAY_THREADS, select_records
 from reference_impl.resolve import kv_spec, resolve_layout
 from reference_impl.step_pass import step_kwargs, step_outputs
 from reference_impl.tolerances import REFERENCE_DTYPE
+from reference_impl.workers import keep_freed_memory
 from tracer.format import Trace
 from tracer.format.selection import parse_steps
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="replay the selection this many times; the last is timed")
     args = parser.parse_args(argv)
     torch.set_num_threads(REPLAY_THREADS)
+    keep_freed_memory()  # as replay_trace does
     trace = Trace.open(args.trace)
     spec = kv_spec(trace)
     emulation = emulation_of(trace.run)

@@ -11,10 +11,34 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8_STORAGE", "add_sinks", "cdiv", "cdiv_tensor", "check_args", "check_used_blocks", "read_cache_as"]
+__all__ = [
+    "FP8_STORAGE",
+    "add_sinks",
+    "cdiv",
+    "cdiv_tensor",
+    "check_args",
+    "check_used_blocks",
+    "read_cache_as",
+    "take_blocks",
+]
 
 #: Cache dtypes holding fp8 e4m3 values (vLLM stores ``kv_cache_dtype="fp8"`` as uint8).
 FP8_STORAGE = (torch.uint8, torch.float8_e4m3fn)
+
+
+def take_blocks(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``cache.index_select(0, ids)`` (into ``out``, contiguous, when given), the same bits.
+
+    A contiguous cache is gathered as rows of bytes: torch's CPU ``index_select`` copies a byte
+    row with one ``memcpy``, and a row of 2- or 4-byte elements element by element, 4-5x slower.
+    """
+    if not cache.is_contiguous() or cache.dim() < 2 or cache.device.type != "cpu":
+        return torch.index_select(cache, 0, ids, out=out) if out is not None else cache.index_select(0, ids)
+    rows = cache.reshape(cache.shape[0], -1).view(torch.uint8)
+    if out is None:
+        return rows.index_select(0, ids).view(cache.dtype).view(-1, *cache.shape[1:])
+    torch.index_select(rows, 0, ids, out=out.view(out.shape[0], -1).view(torch.uint8))
+    return out
 
 
 def read_cache_as(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from reference_impl.common import FP8_STORAGE, cdiv, check_args
+from reference_impl.common import FP8_STORAGE, cdiv, check_args, take_blocks
 from reference_impl.emulation_rows import (
     FP8_MAX_OFFSET,
     Emulation,
@@ -246,7 +246,7 @@ def _read(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tens
     ``index_select`` copies whole blocks at memory speed; advanced indexing (``cache[blocks]``)
     gives the same tensor several times slower.
     """
-    return as_stored(cache).index_select(0, blocks).flatten(0, 1)[:seq_len]
+    return take_blocks(as_stored(cache), blocks).flatten(0, 1)[:seq_len]
 
 
 def emulate_flash_attention(

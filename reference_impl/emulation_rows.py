@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference_impl.common import cdiv
+from reference_impl.common import cdiv, take_blocks
 from reference_impl.gathered import batched_bmm, visibility
 
 __all__ = [
@@ -291,8 +291,8 @@ def emulate_decode(
         groups = [(n, len(list(same))) for n, same in itertools.groupby(lens[lo:hi])]
         _decode_batch(
             query[lo:hi],
-            key_cache.index_select(0, ids),
-            value_cache.index_select(0, ids),
+            take_blocks(key_cache, ids),
+            take_blocks(value_cache, ids),
             groups,
             r,
             acc[lo:hi],

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from reference_impl.common import FP8_STORAGE, add_sinks, cdiv, check_args
+from reference_impl.common import FP8_STORAGE, add_sinks, cdiv, check_args, take_blocks
 from reference_impl.gathered import attend_gathered, gather_blocks, visibility
 from reference_impl.kernel import combine_partitions
 
@@ -113,7 +113,7 @@ def _attend_decode(
             tokens = converted[:m].view(-1, num_kv_heads, head_size)[skip : skip + n]
             views[m, skip, n] = (raw[:m], converted[:m], tokens.permute(1, 2, 0), tokens.permute(1, 0, 2))
         raw_m, converted_m, by_dim, by_token = views[m, skip, n]
-        torch.index_select(cache, 0, ids, out=raw_m)
+        take_blocks(cache, ids, out=raw_m)
         _convert_into(converted_m, raw_m, cache_scale)
         return by_dim, by_token
 

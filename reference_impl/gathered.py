@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from reference_impl.common import read_cache_as
+from reference_impl.common import read_cache_as, take_blocks
 
 __all__ = ["attend_gathered", "batched_bmm", "gather_blocks", "gathered_weights", "strided_bmm", "visibility"]
 
@@ -198,6 +198,6 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype
     _, block_size, num_kv_heads, head_size = cache.shape
     # index_select along the contiguous block dim copies whole blocks; then one plain
     # conversion pass (a permuting one is several times slower on CPU).
-    gathered = cache.index_select(0, blocks.reshape(-1))
+    gathered = take_blocks(cache, blocks.reshape(-1))
     gathered = gathered.view(num_seqs, width * block_size, num_kv_heads, head_size)
     return read_cache_as(gathered, scale, dtype)

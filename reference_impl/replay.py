@@ -60,7 +60,7 @@ from reference_impl.inputs import (
 from reference_impl.resolve import kv_spec, read_cache, resolve_layout
 from reference_impl.step_pass import step_kwargs, step_outputs
 from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, bar_note, tolerance_for
-from reference_impl.workers import run_records, worker_count
+from reference_impl.workers import keep_freed_memory, run_records, worker_count
 from tracer.format import (
     REPLAY,
     HeadResult,
@@ -117,6 +117,12 @@ __all__ = [
 
 #: :func:`replay_trace` runs the legacy round trip on every this-many-th record (and the first and last).
 LEGACY_EVERY = 16
+
+#: A request row's share of a replayed step's work, in units of one key times one head dimension: the
+#: row's small torch operations cost about as much as 400 keys of a 4-head, 64-dim row's products
+#: (a least-squares fit of the 301 steps of ``pagedtrace run --prompts 128 --max-tokens 300``, one
+#: process on a 2-core CPU). Workers' shares are cut by it (:func:`reference_impl.workers.shares`).
+ROW_COST = 100_000
 
 #: torch's intra-op threads while :func:`replay_trace` runs (the caller's count is restored after).
 #: A step's tensors are small: on a 2-core machine a second thread costs more in hand-offs than
@@ -326,6 +332,7 @@ def replay_trace(
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; use one of {sorted(KERNELS)}")
     started = time.perf_counter()
+    keep_freed_memory()  # a step's tensors are the same sizes step after step: reuse their pages
     spec = kv_spec(trace)
     emulation = emulation_of(trace.run)  # the bar's baseline rounds as the trace's kernel did
     layers = None if layers is None else tuple(layers)
@@ -394,8 +401,8 @@ def replay_trace(
         if progress is not None:
             progress(collected, len(with_tensors), outcome.result)
 
-    # A step's work grows with the keys its rows read, plus a share per row.
-    costs = [sum(r.seq_lens) + 64 * r.num_reqs for r in with_tensors]
+    # A step's work: the products over the keys its rows read, and each row's own small operations.
+    costs = [sum(r.seq_lens) * r.num_heads * r.head_size + ROW_COST * r.num_reqs for r in with_tensors]
     processes = worker_count(workers, len(with_tensors), device)
     on_gpu = device is not None and torch.device(device).type != "cpu"
     metadata: tuple[MetadataCheck, ...] = ()

@@ -23,9 +23,11 @@ Imports torch and ``msgspec`` only.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import multiprocessing
 import os
+import platform
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -43,6 +45,7 @@ __all__ = [
     "Finished",
     "Replayed",
     "cuda_fork_safe",
+    "keep_freed_memory",
     "run_records",
     "shares",
     "worker_count",
@@ -86,6 +89,28 @@ _DECODER = msgspec.msgpack.Decoder(Message)
 def can_fork() -> bool:
     """Worker processes are available: Linux's ``fork`` (a forked child shares the opened trace)."""
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+def keep_freed_memory() -> bool:
+    """Let this process (and the workers it forks) reuse the memory replay frees, instead of faulting it in again.
+
+    glibc serves a block over its mmap threshold (128 KB, rising to at most 32 MB) from fresh pages
+    and unmaps it on free, and trims the heap's free top: a replayed step's tensors (tens of MB,
+    the same sizes step after step) would then fault in every page again, which costs more than
+    copying into them. Raising both thresholds to 1 GB keeps the freed memory for the next step;
+    the process keeps its peak size until it ends. Returns False where the C library is not glibc.
+    """
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
+#: glibc's ``mallopt`` parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 def cuda_fork_safe() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import time
 from pathlib import Path
@@ -115,3 +116,8 @@ def test_each_worker_warms_up_beside_its_records_and_a_failing_warm_up_changes_n
     got.clear()
     run_records(lambda i: -i, 4, [1.0] * 4, 2, got.__setitem__, warm_up=broken)
     assert got == {i: -i for i in range(4)}
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_replay_keeps_the_memory_it_frees_for_the_next_step():
+    assert workers.keep_freed_memory()

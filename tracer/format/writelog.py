@@ -223,7 +223,9 @@ class _LayerState:
         short = {b for b, n, ok in zip(ids, leading, present.tolist(), strict=True) if not ok or n < need[b]}
         if short:
             self._missing(record, first_step, short, dict(zip(ids, leading, strict=True)))
-        blocks = self.data.index_select(0, rows).view(self.dtype).reshape(len(ids), *geo.block_shape)  # type: ignore[arg-type]
+        # Rows of bytes: torch's CPU index_select copies a byte row with one memcpy, wider elements one by one.
+        taken = self.data.view(torch.uint8).index_select(0, rows)
+        blocks = taken.view(self.dtype).reshape(len(ids), *geo.block_shape)  # type: ignore[arg-type]
         return id_tensor.to(torch.int32), blocks, known
 
     def _missing(self, record: StepRecord, first_step: int, short: set[int], leading: dict[int, int]) -> None:
