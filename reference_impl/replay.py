@@ -118,10 +118,8 @@ __all__ = [
 #: :func:`replay_trace` runs the legacy round trip on every this-many-th record (and the first and last).
 LEGACY_EVERY = 16
 
-#: A request row's share of a replayed step's work, in units of one key times one head dimension: the
-#: row's small torch operations cost about as much as 400 keys of a 4-head, 64-dim row's products
-#: (a least-squares fit of the 301 steps of ``pagedtrace run --prompts 128 --max-tokens 300``, one
-#: process on a 2-core CPU). Workers' shares are cut by it (:func:`reference_impl.workers.shares`).
+#: A request row's own small operations, in a step's work units (one key times one head dimension):
+#: fitted on the 301 steps of ``pagedtrace run --prompts 128 --max-tokens 300`` (one CPU process).
 ROW_COST = 100_000
 
 #: torch's intra-op threads while :func:`replay_trace` runs (the caller's count is restored after).
