@@ -86,7 +86,13 @@ def main(argv: list[str] | None = None) -> int:
             tensors = trace.tensors(record)
             laps.lap("tensors")
             inputs = step_inputs(
-                record, tensors, spec, layout, flash_attn_version=trace.run.flash_attn_version, emulation=emulation
+                record,
+                tensors,
+                spec,
+                layout,
+                flash_attn_version=trace.run.flash_attn_version,
+                emulation=emulation,
+                device="cuda" if gpu else None,  # as replay_record: a GPU reads the layout there
             )
             laps.lap("inputs")
             output = tensors["output"]

@@ -365,7 +365,8 @@ def _decode_batch(
     for row, rows, n, at in spans:
         torch.sum(p[at : at + rows * h * g * n].view(rows, h, g, 1, n), dim=-1, out=row_sum[row : row + rows])
     p_op, sums = operand(p, row_sum, m, r, spread=spread)
-    row_sum.copy_(sums)
+    if sums is not row_sum:  # a sink's share or a softmax first: a new sum
+        row_sum.copy_(sums)
     for (row, rows, n, at), v in zip(spans, values, strict=True):
         p_g = p_op[at : at + rows * h * g * n].view(rows, h, g, n)
         batched_bmm(p_g, v, transpose=False, out=acc[row : row + rows].view(rows, h, g, d))  # "rhgn,rnhd->rhgd"
