@@ -5,7 +5,7 @@ does, timing each stage around the call replay makes for it (a GPU is synchronis
 boundary, so its asynchronous work lands in the stage that queued it), and prints milliseconds per
 record for each stage::
 
-    python benchmarks/replay_stages.py TRACE [--device cuda] [--steps 200:230]
+    python benchmarks/replay_stages.py TRACE [--device cuda] [--steps 200:230] [--profile 30]
 
 The stages: ``tensors`` (the record's safetensors file, the KV write log applied and read),
 ``inputs`` (:func:`reference_impl.inputs.step_inputs`: the captured blocks in the canonical layout),
@@ -17,6 +17,8 @@ Figures only, no asserts.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -63,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--steps", default=None, help="a half-open range START:STOP of step indices (default: all)")
     parser.add_argument("--repeat", type=int, default=1, help="replay the selection this many times; the last is timed")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="also print cProfile's N costliest functions"
+    )
     args = parser.parse_args(argv)
+    profiler = cProfile.Profile() if args.profile else None
     torch.set_num_threads(REPLAY_THREADS)
     keep_freed_memory()  # as replay_trace does
     trace = Trace.open(args.trace)
@@ -78,12 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         if gpu:
             torch.cuda.synchronize()
 
-    for _ in range(args.repeat):
+    for round_ in range(args.repeat):
+        if profiler is not None and round_ == args.repeat - 1:
+            profiler.enable()
         laps = _Laps(sync)
         trace = Trace.open(args.trace)  # a fresh write-log state per round
         for record in records:
             laps.start()
-            tensors = trace.tensors(record)
+            tensors = trace.tensors(record, device="cuda" if gpu else None)  # as replay_trace
             laps.lap("tensors")
             inputs = step_inputs(
                 record,
@@ -92,14 +100,13 @@ def main(argv: list[str] | None = None) -> int:
                 layout,
                 flash_attn_version=trace.run.flash_attn_version,
                 emulation=emulation,
-                device="cuda" if gpu else None,  # as replay_record: a GPU reads the layout there
+                device="cuda" if gpu else None,  # as replay_record
             )
             laps.lap("inputs")
             output = tensors["output"]
             if gpu:
                 expected, baseline = step_outputs(*inputs.args, **step_kwargs(inputs), device="cuda", to_cpu=False)
                 assert expected is not None
-                output = output.to(expected.device)
                 laps.lap("reference")
             else:
                 block_size = inputs.key_cache.shape[1]
@@ -114,12 +121,16 @@ def main(argv: list[str] | None = None) -> int:
             laps.lap("judge")
             check_write_path(record, tensors, spec, layout)
             laps.lap("write path")
+    if profiler is not None:
+        profiler.disable()
     total = sum(laps.spent.values())
     n = max(1, len(records))
     per = 1e3 * total / n
     print(f"{trace.path.name}: {len(records)} records on {args.device}, {total:.2f} s, {per:.1f} ms per record")
     for stage, seconds in sorted(laps.spent.items(), key=lambda kv: -kv[1]):
         print(f"  {stage:<11} {1e3 * seconds / n:7.2f} ms per record  ({100 * seconds / total:4.1f} %)")
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     return 0
 
 

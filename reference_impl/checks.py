@@ -16,7 +16,7 @@ Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) on
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -78,10 +78,12 @@ def check_write_path(
     writer = _layouts.WRITERS.get(layout) if layout in STORED_LAYOUTS else None
     if writer is None:
         raise TraceError(f"no writer for KV layout {layout!r}")
-    kv_blocks, block_ids = tensors["kv_blocks"], tensors["kv_block_ids"].long()
-    key, value = tensors["key"], tensors["value"]
+    kv_blocks = tensors["kv_blocks"]
+    at = kv_blocks.device  # the check runs where the blocks are
+    block_ids = tensors["kv_block_ids"].to(at, torch.long)
+    key, value = tensors["key"].to(at), tensors["value"].to(at)
     num = min(len(record.slot_mapping), key.shape[0], value.shape[0])
-    slot_mapping = torch.tensor(record.slot_mapping[:num], dtype=torch.long)
+    slot_mapping = torch.tensor(record.slot_mapping[:num], dtype=torch.long, device=at)
     written, index, offset, captured = _slot_positions(slot_mapping, block_ids, spec.block_size)
     rows = captured.nonzero().flatten()
     idx, off = index[rows], offset[rows]
@@ -141,6 +143,7 @@ def check_legacy_path(
     *,
     seq_lens: torch.Tensor | None = None,
     query_start_loc: torch.Tensor | None = None,
+    rerun: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> LegacyCheck | None:
     """Rewrite the canonical caches in paged_attn.py's layout, read them back, rerun.
 
@@ -150,6 +153,8 @@ def check_legacy_path(
         expected: the direct reference output ``[T, H, D]`` (``REFERENCE_DTYPE``).
         seq_lens, query_start_loc: those ``expected`` was computed with (``StepInputs``'); None:
             the record's (they differ when only some query rows were kept).
+        rerun: ``rerun(key_back, value_back)`` gives the reference output over the round-tripped
+            caches as ``expected`` was computed (a GPU pass reruns there); None: ``kernel`` runs it.
 
     Returns:
         The check, or None when ``D`` is not a multiple of ``x = 16 // element_size``
@@ -160,6 +165,9 @@ def check_legacy_path(
         return None
     key_legacy, value_legacy = _layouts.kv_to_legacy(key_cache, value_cache)  # [n,H,D/x,bs,x], [n,H,D,bs]
     key_back, value_back = _layouts.legacy_to_kv(key_legacy, value_legacy)
+    if rerun is not None:
+        out = rerun(key_back, value_back)
+        return _legacy_verdict(record, x, out, expected, (key_back, value_back), (key_cache, value_cache))
     out = run_kernel(
         kernel,
         query,
@@ -172,8 +180,20 @@ def check_legacy_path(
         compute_dtype=REFERENCE_DTYPE,
         **KernelOptions.from_step(record, spec).kwargs(),
     )
+    return _legacy_verdict(record, x, out, expected, (key_back, value_back), (key_cache, value_cache))
+
+
+def _legacy_verdict(
+    record: StepRecord,
+    x: int,
+    out: torch.Tensor,
+    expected: torch.Tensor,
+    back: tuple[torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, torch.Tensor],
+) -> LegacyCheck:
+    """The round trip holds: the caches came back bit for bit, and the rerun gives ``expected``."""
     diff = float((out - expected).abs().max()) if out.numel() else 0.0
     scale = float(expected.abs().max()) if expected.numel() else 0.0
-    exact = torch.equal(key_back, key_cache) and torch.equal(value_back, value_cache)
+    exact = all(torch.equal(a, b) for a, b in zip(back, caches, strict=True))
     ok = exact and diff <= LEGACY_RERUN_RTOL * max(scale, 1.0)
     return LegacyCheck(step=record.step, layer=record.layer, ok=ok, max_abs=diff, x=x)

@@ -76,7 +76,7 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     ``.contiguous()`` may keep a view whose size-1 dims carry other strides; a cache
     vLLM allocates always has the plain row-major ones.
     """
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _check_kv_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -231,7 +231,7 @@ def kv_to_cpu_amx(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.T
     _check_kv_pair(key_cache, value_cache)
     nb, bs, nh, d = key_cache.shape
     check_amx_shape(bs, d)
-    region = torch.empty(nb, nh, 2 * bs * d, dtype=key_cache.dtype)
+    region = torch.empty(nb, nh, 2 * bs * d, dtype=key_cache.dtype, device=key_cache.device)
     # Each half is written in place; K's dim pairs move as one integer each (see cpu_amx_to_kv).
     pair = _PAIR_OF_SIZE.get(key_cache.element_size())
     if pair is not None:

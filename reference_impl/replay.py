@@ -39,6 +39,7 @@ Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) on
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -58,7 +59,8 @@ from reference_impl.inputs import (
     step_inputs,
 )
 from reference_impl.resolve import kv_spec, read_cache, resolve_layout
-from reference_impl.step_pass import step_kwargs, step_outputs
+from reference_impl.selection import fmt_range, legacy_sample, sample_records, select_records
+from reference_impl.step_pass import step_kwargs, step_outputs, warm_up
 from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, bar_note, tolerance_for
 from reference_impl.workers import keep_freed_memory, run_records, worker_count
 from tracer.format import (
@@ -73,8 +75,6 @@ from tracer.format import (
     Trace,
     TraceError,
     WriteCheck,
-    layer_matches,
-    step_in_range,
     write_side_file,
 )
 from tracer.format.layouts import LAYOUT_CPU_AMX
@@ -233,48 +233,35 @@ def replay_record(
     )
     legacy = None
     if check_legacy:
+        # On a GPU the pass that gave `expected` reruns over the round-tripped caches there.
+        rerun = functools.partial(_rerun_on_gpu, inputs, device) if on_gpu else None
         legacy = check_legacy_path(
             record,
-            inputs.key_cache.cpu(),
-            inputs.value_cache.cpu(),
+            inputs.key_cache,
+            inputs.value_cache,
             inputs.block_table,
-            expected.cpu(),
-            inputs.query.cpu(),
+            expected,
+            inputs.query,
             spec,
             kernel,
             seq_lens=inputs.seq_lens,
             query_start_loc=inputs.query_start_loc,
+            rerun=rerun,
         )
     return result, legacy
 
 
+def _rerun_on_gpu(
+    inputs: StepInputs, device: torch.device | str | None, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> torch.Tensor:
+    """The GPU pass's fp64 reference of ``inputs`` over other (round-tripped) caches."""
+    args = (inputs.query, key_cache, value_cache, *inputs.args[3:])
+    out, _ = step_outputs(*args, **step_kwargs(inputs), device=device, to_cpu=False)
+    assert out is not None
+    return out
+
+
 # --------------------------------------------------------------------------- driver
-
-
-def _selected(
-    record: StepRecord, steps: tuple[int | None, int | None] | None, layers: Iterable[str | int] | None
-) -> bool:
-    if steps is not None and not step_in_range(record.step, steps):
-        return False
-    return layers is None or layer_matches(record.layer, set(layers))
-
-
-def select_records(
-    trace: Trace,
-    *,
-    steps: tuple[int | None, int | None] | None = None,
-    layers: Iterable[str | int] | None = None,
-    kind: str | None = None,
-) -> list[StepRecord]:
-    """The records of ``trace`` in a half-open ``steps`` range, of the given ``layers`` and ``kind``.
-
-    Args:
-        steps: ``(start, stop)``, either end None = open; None = all.
-        layers: layer names and/or indices (``model.layers.<i>...``); None = all.
-        kind: a ``StepRecord.kind`` (``request`` ...); None = all.
-    """
-    layers = None if layers is None else tuple(layers)
-    return [r for r in trace.records if (kind is None or r.kind == kind) and _selected(r, steps, layers)]
 
 
 def replay_trace(
@@ -338,7 +325,7 @@ def replay_trace(
     if not selected:
         raise TraceError(
             f"{trace.path}: no recorded step matches the selection "
-            f"(steps {_fmt_range(steps)}, layers {','.join(map(str, layers or ())) or 'all'})"
+            f"(steps {fmt_range(steps)}, layers {','.join(map(str, layers or ())) or 'all'})"
         )
     with_tensors = [r for r in selected if r.tensors is not None]
     if sample is not None:
@@ -366,11 +353,12 @@ def replay_trace(
         )
     # ---- end of metadata verdicts
     read_layout = layout if layout is not None else resolve_layout(trace, with_tensors)
+    on_gpu = device is not None and torch.device(device).type != "cpu"
 
     def replay_one(i: int) -> _Outcome:
         record = with_tensors[i]
         try:
-            tensors = trace.tensors(record)
+            tensors = trace.tensors(record, device=device if on_gpu else None)
         except NotInWriteLog as exc:
             # The write log cannot give this step's blocks (a record or file changed, a block never
             # logged): the step cannot be shown to match, so it fails, saying why.
@@ -402,7 +390,6 @@ def replay_trace(
     # A step's work: the products over the keys its rows read, and each row's own small operations.
     costs = [sum(r.seq_lens) * r.num_heads * r.head_size + ROW_COST * r.num_reqs for r in with_tensors]
     processes = worker_count(workers, len(with_tensors), device)
-    on_gpu = device is not None and torch.device(device).type != "cpu"
     metadata: tuple[MetadataCheck, ...] = ()
 
     def check_metadata() -> None:  # in this process, while the workers replay
@@ -418,7 +405,7 @@ def replay_trace(
             collect,
             outcome_type=_Outcome,
             meanwhile=check_metadata,
-            warm_up=torch.cuda.init if on_gpu and processes > 1 else None,
+            warm_up=functools.partial(warm_up, device) if on_gpu and device is not None else None,
         )
     done = [o for o in outcomes if o is not None]
     results = [o.result for o in done]
@@ -446,28 +433,6 @@ class _Outcome(NamedTuple):
     legacy: LegacyCheck | None
 
 
-def legacy_sample(count: int, every: int) -> frozenset[int]:
-    """Indices of the records (of ``count``) whose legacy round trip runs: the first, the last, every ``every``-th."""
-    if count <= 0:
-        return frozenset()
-    return frozenset(range(0, count, max(1, every))) | {count - 1}
-
-
-def sample_records(records: list[StepRecord], count: int) -> list[StepRecord]:
-    """``count`` of ``records`` spread evenly over them, the first and the last included; all if fewer.
-
-    Reproducible: the same records for the same inputs (no randomness).
-    """
-    if count <= 0:
-        raise ValueError(f"sample {count}: expected a positive number of steps")
-    if count >= len(records):
-        return list(records)
-    if count == 1:
-        return [records[0]]
-    picks = sorted({round(i * (len(records) - 1) / (count - 1)) for i in range(count)})
-    return [records[i] for i in picks]
-
-
 def unreplayable(record: StepRecord, why: str) -> StepResult:
     """A failing result for a step whose inputs cannot be rebuilt."""
     return StepResult(
@@ -484,13 +449,6 @@ def unreplayable(record: StepRecord, why: str) -> StepResult:
         heads=(),
         note=why,
     )
-
-
-def _fmt_range(steps: tuple[int | None, int | None] | None) -> str:
-    if steps is None:
-        return "all"
-    start, stop = steps
-    return f"{'' if start is None else start}:{'' if stop is None else stop}"
 
 
 def save_report(trace: Trace, report: ReplayReport) -> None:

@@ -41,7 +41,7 @@ from reference_impl.emulation import FLASH, FP8_MAX_OFFSET, Emulation, round_out
 from reference_impl.emulation_rows import softmax_first
 from reference_impl.gathered import visibility
 
-__all__ = ["DEVICES", "PAD_SLACK", "select_device", "step_kwargs", "step_outputs"]
+__all__ = ["DEVICES", "PAD_SLACK", "select_device", "step_kwargs", "step_outputs", "warm_up"]
 
 #: Padding a group may add, as a share of its items' own logits (sorted items pad little).
 PAD_SLACK = 0.25
@@ -368,6 +368,19 @@ def select_device(name: str | None = None) -> torch.device:
     if name == "cuda" and not gpu_present():
         raise ValueError("device 'cuda': no GPU is present here (torch.cuda.device_count() is 0); use --device cpu")
     return torch.device(name)
+
+
+def warm_up(device: torch.device | str) -> None:
+    """Open ``device``'s CUDA context and load the matrix products the pass runs (fp64 and fp32).
+
+    Replay runs it on a thread beside its first records (:func:`reference_impl.workers.run_records`):
+    the driver's and the library's start-up then overlap the trace's reading.
+    """
+    torch.cuda.init()
+    for dtype in (torch.float64, torch.float32):
+        a = torch.ones(2, 2, 2, dtype=dtype, device=device)
+        torch.bmm(a, a)
+    torch.cuda.synchronize(device)
 
 
 def gpu_present() -> bool:

@@ -173,10 +173,13 @@ def run_records(
     dataclasses, named tuples, plain values). An error in a worker is raised here by replaying
     the rest of its share in this process; it stops the other workers.
     ``meanwhile`` runs here once, while the workers replay (first, in one process).
-    ``warm_up`` runs in each worker beside its first records, on a thread of its own (a GPU
-    worker opens its CUDA context there); whatever it raises, the records raise again.
+    ``warm_up`` runs in each process that replays (each worker, or this one alone) beside its
+    first records (and ``meanwhile``), on a thread of its own: a GPU process opens its CUDA
+    context there. Whatever it raises, the records raise again.
     """
     if workers <= 1 or count <= 1:
+        if warm_up is not None:
+            threading.Thread(target=_quietly, args=(warm_up,), daemon=True).start()
         if meanwhile is not None:
             meanwhile()
         for i in range(count):

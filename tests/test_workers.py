@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -116,6 +117,16 @@ def test_each_worker_warms_up_beside_its_records_and_a_failing_warm_up_changes_n
     got.clear()
     run_records(lambda i: -i, 4, [1.0] * 4, 2, got.__setitem__, warm_up=broken)
     assert got == {i: -i for i in range(4)}
+    got.clear()
+    run_records(lambda i: -i, 4, [1.0] * 4, 1, got.__setitem__, warm_up=broken)
+    assert got == {i: -i for i in range(4)}
+
+
+def test_a_process_replaying_alone_warms_up_beside_its_records():
+    warmed = threading.Event()
+    seen: list[bool] = []
+    run_records(lambda i: seen.append(warmed.wait(5)), 2, [1.0] * 2, 1, lambda i, o: None, warm_up=warmed.set)
+    assert seen == [True, True]
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")

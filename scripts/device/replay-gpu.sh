@@ -2,25 +2,32 @@
 # Replay on the GPU against the CPU and the engine's generate time (issue: replay at engine speed).
 #   bash scripts/device/replay-gpu.sh            (on the device machine, from the repo root; writes under $OUT)
 # Runs benchmarks/gpu_overhead.py's 192-step default-mode workload (qwen2.5-7b-instruct preset, 3 batches of 32
-# prompts, 64 new tokens) with tensors for layer 0, keeping the trace; then replays it with --device cuda and
-# --device cpu (replay.json of each kept under $OUT), prints both times, the generate time, and whether the two
-# replays' verdicts agree step by step (attention verdict per step and per head, write path, legacy); then
-# times the GPU replay with 4 workers and in one process.
+# prompts, 64 new tokens) with tensors for layer 0, keeping the trace under $BENCH (default
+# /tmp/pagedtrace-bench, which a later call on the same machine reuses: no second engine); then, in one
+# process, replays it on the GPU with its default workers, with 4 and 2, on the CPU, and on the GPU in one
+# process; prints each time, steps/s and its ratio to the generate time, and whether the GPU's and the CPU's
+# verdicts agree step by step (attention verdict per step and per head, write path, legacy). Then times
+# `pagedtrace replay` as a user runs it (wall clock, the interpreter's start included) and prints
+# benchmarks/replay_stages.py's stage times of one GPU process with its 40 costliest functions.
 set -uo pipefail
 OUT=${OUT:?set OUT to an output directory}
+BENCH=${BENCH:-/tmp/pagedtrace-bench}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO" || exit 1
 # shellcheck disable=SC1091
 source .device/install.sh env
 export PYTHONPATH="$REPO:${PYTHONPATH:-}"
-mkdir -p "$OUT/bench"
+mkdir -p "$BENCH"
 start=$(date +%s)
-python3 benchmarks/gpu_overhead.py --model qwen2.5-7b-instruct --modes default --cases tensors-l0 \
-  --out "$OUT/bench" --json "$OUT/gpu-overhead.json" > "$OUT/gpu-overhead.txt" 2>&1
-echo "engine: exit $? after $(( $(date +%s) - start )) s (log: $OUT/gpu-overhead.txt)"
-TRACE="$OUT/bench/default-tensors-l0"
+if [ ! -f "$BENCH/gpu-overhead.json" ]; then
+  python3 benchmarks/gpu_overhead.py --model qwen2.5-7b-instruct --modes default --cases tensors-l0 \
+    --out "$BENCH" --json "$BENCH/gpu-overhead.json" > "$BENCH/gpu-overhead.txt" 2>&1
+  echo "engine: exit $? after $(( $(date +%s) - start )) s"
+fi
+cp "$BENCH/gpu-overhead.json" "$BENCH/gpu-overhead.txt" "$OUT/" 2>/dev/null
+TRACE="$BENCH/default-tensors-l0"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/replay-gpu.txt"
-python3 - "$TRACE" "$OUT" <<'PY' 2>&1 | tee -a "$OUT/replay-gpu.txt"
+python3 - "$TRACE" "$BENCH" "$OUT" <<'PY' 2>&1 | tee -a "$OUT/replay-gpu.txt"
 import json, sys, time
 from pathlib import Path
 import torch
@@ -28,16 +35,16 @@ from reference_impl.replay import replay_trace
 from reference_impl.workers import worker_count
 from tracer.format import Trace
 
-trace_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
-bench = json.loads((out / "gpu-overhead.json").read_text())
-cases = bench["cases"] if isinstance(bench, dict) and "cases" in bench else bench
+trace_dir, bench, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+cases = json.loads((bench / "gpu-overhead.json").read_text())
+cases = cases["cases"] if isinstance(cases, dict) and "cases" in cases else cases
 case = next(c for c in (cases if isinstance(cases, list) else cases.values()) if c.get("case") == "tensors-l0")
 generate_s = case["generate_s"]
 print(f"engine generate (3 batches, tensors of layer 0): {generate_s:.3f} s")
 reports = {}
 # The parent must not initialise CUDA before GPU workers fork (each opens its own context), so the runs
 # with workers go first and the one-process GPU run last.
-for device, workers in (("cuda", None), ("cuda", 4), ("cpu", None), ("cuda", 1)):
+for device, workers in (("cuda", None), ("cuda", 4), ("cuda", 2), ("cpu", None), ("cuda", 1)):
     start = time.perf_counter()
     report = replay_trace(Trace.open(trace_dir), device=device, workers=workers)
     if device == "cuda" and torch.cuda.is_initialized():
@@ -49,7 +56,7 @@ for device, workers in (("cuda", None), ("cuda", 4), ("cpu", None), ("cuda", 1))
         (out / f"replay-{device}.json").write_text(json.dumps(report.to_json(), indent=1))
     n = len(report.steps)
     print(f"replay --device {device} ({processes} processes): {n} steps in {seconds:.2f} s = {n / seconds:.1f} steps/s; "
-          f"replay / generate = {seconds / generate_s:.2f}x; verdict {'ok' if report.ok else 'MISMATCH'}")
+          f"replay / generate = {seconds / generate_s:.2f}x; verdict {'ok' if report.ok else 'MISMATCH'}", flush=True)
 gpu, cpu = reports["cuda"], reports["cpu"]
 differ = [
     (a.step, a.layer, a.ok, b.ok, [h.ok for h in a.heads] == [h.ok for h in b.heads], a.max_abs, b.max_abs, a.tol, b.tol)
@@ -62,7 +69,16 @@ print(f"verdicts agree on {len(gpu.steps) - len(differ)} of {len(gpu.steps)} ste
       f"largest |tol_gpu - tol_cpu| / tol_cpu {worst_tol:.2e}, |max_abs_gpu - max_abs_cpu| / tol_cpu {worst_err:.2e}")
 for d in differ:
     print("  differs:", d)
-print("write paths agree:", [w.ok for w in gpu.write_path] == [w.ok for w in cpu.write_path],
-      "legacy agree:", [c.ok for c in gpu.legacy] == [c.ok for c in cpu.legacy])
+print("write paths agree:", [(w.step, w.tokens, w.mismatches) for w in gpu.write_path] == [(w.step, w.tokens, w.mismatches) for w in cpu.write_path],
+      "legacy agree:", [(c.step, c.ok) for c in gpu.legacy] == [(c.step, c.ok) for c in cpu.legacy], f"({len(gpu.legacy)} legacy checks)")
 PY
+for run in 1 2; do
+  t0=$EPOCHREALTIME
+  python3 -m pagedtrace replay "$TRACE" > "$OUT/cli-replay-$run.txt" 2>&1
+  rc=$?
+  wall=$(awk "BEGIN { printf \"%.2f\", $EPOCHREALTIME - $t0 }")
+  echo "pagedtrace replay (wall, run $run): exit $rc in $wall s; last line: $(tail -1 "$OUT/cli-replay-$run.txt")" | tee -a "$OUT/replay-gpu.txt"
+done
+python3 benchmarks/replay_stages.py "$TRACE" --device cuda --repeat 2 --profile 40 > "$OUT/replay-stages-gpu.txt" 2>&1
+head -12 "$OUT/replay-stages-gpu.txt"
 echo "replay-gpu: done after $(( $(date +%s) - start )) s; outputs under $OUT"

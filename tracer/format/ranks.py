@@ -250,9 +250,14 @@ def join(parts: Sequence[Any]) -> Joined:
 
 
 def join_tensors(
-    parts: Sequence[Any], by_key: Sequence[Mapping[tuple[int, str], StepRecord]], record: StepRecord, disagree: bool
+    parts: Sequence[Any],
+    by_key: Sequence[Mapping[tuple[int, str], StepRecord]],
+    record: StepRecord,
+    disagree: bool,
+    device: Any = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensors of joined ``record``: each rank's ``Trace.tensors`` of its own record, joined over heads.
+    """The tensors of joined ``record``: each rank's ``Trace.tensors`` of its own record (on ``device``),
+    joined over heads.
 
     Raises:
         RanksDisagree: the ranks' records of this (step, layer) disagree (``disagree``), or
@@ -264,7 +269,7 @@ def join_tensors(
     where = f"step {record.step} layer {record.layer}"
     if disagree:
         raise RanksDisagree(f"{where}: the ranks' records disagree (replay's ranks check says how)")
-    loaded = [part.tensors(k[key]) for part, k in zip(parts, by_key, strict=True)]
+    loaded = [part.tensors(k[key], device=device) for part, k in zip(parts, by_key, strict=True)]
     kv = kv_ranks(parts)
     out: dict[str, torch.Tensor] = {}
     for name in loaded[0]:

@@ -28,6 +28,7 @@ from tracer.format.errors import TraceError
 from tracer.format.rows import QUERY_ROWS
 
 __all__ = [
+    "INDEX_TENSORS",
     "KV_INPUTS_WRITTEN",
     "MAX_BLOCK_TABLE_ENTRIES",
     "WRITE_LOG_TENSORS",
@@ -181,6 +182,10 @@ def _dtype_name(t: Any) -> str:
 #: The tensors of a write-log record (``StepRecord.kv_log_epoch`` not None): the cache entries
 #: its step wrote and the blocks the trace had not seen yet (:mod:`tracer.format.writelog`).
 WRITE_LOG_TENSORS = ("kv_slots", "kv_written", "kv_new_block_ids", "kv_new_blocks")
+
+#: The tensors that name blocks, slots and rows rather than hold values: ``Trace.tensors`` keeps
+#: them on the CPU, beside the record's block table, whatever device it puts the values on.
+INDEX_TENSORS = frozenset({"kv_block_ids", "kv_slots", "kv_new_block_ids", QUERY_ROWS})
 
 #: Format 4: the ``key``/``value`` ``do_kv_cache_update`` received equal ``kv_written`` bit for bit
 #: (the tracer compared them on the device), so they are not stored again; a one-element marker

@@ -38,7 +38,7 @@ from tracer.format.reading import (
     read_json_file,
 )
 from tracer.format.records import GapRecord, RunInfo, StepRecord, TraceError, record_from_json, record_to_json
-from tracer.format.schema import KV_INPUTS_WRITTEN, check_step_in_cache, check_tensors
+from tracer.format.schema import INDEX_TENSORS, KV_INPUTS_WRITTEN, check_step_in_cache, check_tensors
 from tracer.format.version import FORMAT_VERSION, READABLE_VERSIONS
 from tracer.format.writelog import WriteLogReader
 
@@ -273,8 +273,12 @@ class Trace:
         """Captured layer names, in first-seen order."""
         return list(dict.fromkeys(r.layer for r in self.records))
 
-    def tensors(self, record: StepRecord) -> dict[str, torch.Tensor]:
+    def tensors(self, record: StepRecord, *, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """Load the tensors captured with ``record``; ``TraceError`` if there are none or the file is bad.
+
+        ``device``: where the tensors of values (query, output, key, value, blocks) are put; the
+        ids and slots stay on the CPU with the record's block table. A write-log record's blocks
+        are then rebuilt there (only what each step wrote crosses the bus). None: the CPU.
 
         A write-log record (format 3, ``kv_log_epoch`` set) gets ``kv_blocks`` / ``kv_block_ids``
         rebuilt from its run's log (:mod:`tracer.format.writelog`), unless it is a check step that
@@ -286,7 +290,7 @@ class Trace:
         """
         if self.ranks:
             disagree = any(d.step == record.step and d.layer == record.layer for d in self.disagreements)
-            return join_tensors(self.ranks, self._by_key, record, disagree)
+            return join_tensors(self.ranks, self._by_key, record, disagree, device)
         file = self.tensor_path(record)
         try:
             from safetensors.torch import load_file
@@ -301,7 +305,9 @@ class Trace:
         if loaded.pop(KV_INPUTS_WRITTEN, None) is not None:
             loaded["key"], loaded["value"] = inputs_from_written(record, loaded["kv_written"])
         if record.kv_log_epoch is not None and "kv_blocks" not in loaded:
-            loaded["kv_block_ids"], loaded["kv_blocks"] = self.write_log.rebuild(record, loaded)
+            loaded["kv_block_ids"], loaded["kv_blocks"] = self.write_log.rebuild(record, loaded, device=device)
+        if device is not None:
+            loaded = {name: t if name in INDEX_TENSORS else t.to(device) for name, t in loaded.items()}
         return loaded
 
     def tensor_path(self, record: StepRecord) -> Path:

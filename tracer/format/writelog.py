@@ -22,7 +22,10 @@ The state is kept per layer and continues from the last record rebuilt when a la
 of the same run is asked for; anything else replays the run from its start. Only the
 ``kv_*`` tensors of earlier records are read (``safetensors.safe_open``), and only the
 blocks the run has touched are kept, in the cache's dtype viewed as integers so every bit
-(NaN payloads included) comes back as stored.
+(NaN payloads included) comes back as stored. The blocks' bits may live on a GPU
+(``device``): each step then sends only what it wrote there, and its blocks come back
+there, instead of every block it reads crossing the bus; which blocks and tokens the log
+knows stays on the CPU, where the block table is.
 
 The reader asks of a trace only what :class:`LoggedTrace` names (its records, its manifest,
 its tensor files), so this module does not import the store that owns a reader.
@@ -128,18 +131,23 @@ class _Geometry:
 
 
 class _LayerState:
-    """The blocks one run of one layer has rebuilt so far, up to record ``done`` of the run."""
+    """The blocks one run of one layer has rebuilt so far, up to record ``done`` of the run.
 
-    def __init__(self, epoch: int, geometry: _Geometry) -> None:
+    ``data`` lives on ``device``; the bookkeeping (``row_of``, ``known``) on the CPU.
+    """
+
+    def __init__(self, epoch: int, geometry: _Geometry, device: torch.device) -> None:
         import torch
 
         self.epoch = epoch
         self.geometry = geometry
+        self.device = device
+        self.index = geometry.index.to(device)  #: ``geometry.index`` where ``data`` is
         self.done = -1  #: index in the run of the last record applied
         self.dtype: torch.dtype | None = None  #: the cache's dtype, from the first record's tensors
         self.row_of = torch.full((geometry.num_blocks,), -1, dtype=torch.long)  #: block id -> row of data
         self.count = 0  #: rows in use
-        self.data = torch.empty(0)  #: [capacity, elements], the cache's bits (integers)
+        self.data = torch.empty(0, device=device)  #: [capacity, elements], the cache's bits (integers)
         self.known = torch.zeros(0, geometry.block_size, dtype=torch.bool)  #: [capacity, block_size]
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -153,7 +161,7 @@ class _LayerState:
             capacity = self.data.shape[0]
             if need > capacity:
                 grown = min(max(need, 2 * capacity, 8), self.geometry.num_blocks)
-                data = torch.zeros(grown, self.geometry.elements, dtype=self.data.dtype)
+                data = torch.zeros(grown, self.geometry.elements, dtype=self.data.dtype, device=self.device)
                 data[:capacity] = self.data
                 known = torch.zeros(grown, self.geometry.block_size, dtype=torch.bool)
                 known[:capacity] = self.known
@@ -172,7 +180,7 @@ class _LayerState:
         new_blocks = tensors["kv_new_blocks"]
         if self.dtype is None:
             self.dtype = written.dtype
-            self.data = torch.zeros(0, geo.elements, dtype=_bits(written).dtype)
+            self.data = torch.zeros(0, geo.elements, dtype=_bits(written).dtype, device=self.device)
         for name, t in (("kv_written", written), ("kv_new_blocks", new_blocks)):
             if t.dtype != self.dtype:
                 raise TraceError(
@@ -181,7 +189,7 @@ class _LayerState:
         new_ids = tensors["kv_new_block_ids"].long()
         if new_ids.numel():
             rows = self._rows(new_ids)
-            self.data[rows] = _bits(new_blocks).reshape(new_ids.numel(), geo.elements)
+            self.data[rows.to(self.device)] = _bits(new_blocks).reshape(new_ids.numel(), geo.elements).to(self.device)
             self.known[rows] = True
         slots = tensors["kv_slots"].long()
         if slots.numel():
@@ -194,11 +202,14 @@ class _LayerState:
             blocks, tokens = slots // geo.block_size, slots % geo.block_size
             unique, inverse = torch.unique(blocks, return_inverse=True)
             rows = self._rows(unique)[inverse]
-            self.data[rows[:, None], geo.index[tokens]] = values
+            at = self.device
+            self.data[rows.to(at)[:, None], self.index[tokens.to(at)]] = values.to(at)
             self.known[rows, tokens] = True
 
     def read(self, record: StepRecord, first_step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(ids int32 [n], blocks [n, *block_shape], known bool [n, block_size])`` for ``record``'s block table.
+
+        ``blocks`` is on the state's device; ``ids`` and ``known`` on the CPU.
 
         Raises:
             TraceError: a block, or a token the step reads, is not in the write log.
@@ -224,7 +235,7 @@ class _LayerState:
         if short:
             self._missing(record, first_step, short, dict(zip(ids, leading, strict=True)))
         # Rows of bytes: torch's CPU index_select copies a byte row with one memcpy, wider elements one by one.
-        taken = self.data.view(torch.uint8).index_select(0, rows)
+        taken = self.data.view(torch.uint8).index_select(0, rows.to(self.device))
         blocks = taken.view(self.dtype).reshape(len(ids), *geo.block_shape)  # type: ignore[arg-type]
         return id_tensor.to(torch.int32), blocks, known
 
@@ -263,23 +274,37 @@ class WriteLogReader:
         self._geometry: _Geometry | None = None
 
     def rebuild(
-        self, record: StepRecord, tensors: Mapping[str, torch.Tensor] | None = None
+        self,
+        record: StepRecord,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        device: torch.device | str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_block_ids int32 [n], kv_blocks [n, *cache.shape[1:]])`` of ``record``, from the log.
 
-        ``tensors``: ``record``'s own tensors when the caller has them loaded already.
+        ``tensors``: ``record``'s own tensors when the caller has them loaded already (on the CPU).
+        ``device``: where the run's blocks are kept and ``kv_blocks`` comes back (None: the CPU);
+        ``kv_block_ids`` is on the CPU. Asking for another device than the last rebuild of this
+        layer's run replays the run there from its start.
 
         Raises:
             TraceError: ``record`` is not a write-log record, its run cannot be read, or a
                 block it reads is not in the log.
         """
-        ids, blocks, _ = self.rebuild_known(record, tensors)
+        ids, blocks, _ = self.rebuild_known(record, tensors, device=device)
         return ids, blocks
 
     def rebuild_known(
-        self, record: StepRecord, tensors: Mapping[str, torch.Tensor] | None = None
+        self,
+        record: StepRecord,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        device: torch.device | str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`rebuild`, and which tokens of each block the log knows (bool ``[n, block_size]``)."""
+        """:meth:`rebuild`, and which tokens of each block the log knows (bool ``[n, block_size]``, CPU)."""
+        import torch
+
+        at = torch.device("cpu" if device is None else device)
         epoch = record.kv_log_epoch
         if epoch is None:
             raise TraceError(f"{_where(record)}: not a write-log record (kv_log_epoch is null)")
@@ -291,8 +316,8 @@ class WriteLogReader:
             raise TraceError(f"{_where(record)}: not a record of this trace (kv_log_epoch {epoch})")
         run = self._runs[(record.layer, epoch)]
         state = self._states.get(record.layer)
-        if state is None or state.epoch != epoch or state.done > position:
-            state = self._states[record.layer] = _LayerState(epoch, self._geometry)
+        if state is None or state.epoch != epoch or state.done > position or state.device != at:
+            state = self._states[record.layer] = _LayerState(epoch, self._geometry, at)
         try:
             for i in range(state.done + 1, position + 1):
                 own = tensors if i == position and tensors is not None else None
