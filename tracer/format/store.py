@@ -304,10 +304,10 @@ class Trace:
         check_tensors(record, loaded, self.run.kv_cache)
         if loaded.pop(KV_INPUTS_WRITTEN, None) is not None:
             loaded["key"], loaded["value"] = inputs_from_written(record, loaded["kv_written"])
+        if device is not None:  # before the rebuild, which then finds this step's writes there
+            loaded = {name: t if name in INDEX_TENSORS else t.to(device) for name, t in loaded.items()}
         if record.kv_log_epoch is not None and "kv_blocks" not in loaded:
             loaded["kv_block_ids"], loaded["kv_blocks"] = self.write_log.rebuild(record, loaded, device=device)
-        if device is not None:
-            loaded = {name: t if name in INDEX_TENSORS else t.to(device) for name, t in loaded.items()}
         return loaded
 
     def tensor_path(self, record: StepRecord) -> Path:

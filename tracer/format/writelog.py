@@ -193,17 +193,17 @@ class _LayerState:
             self.known[rows] = True
         slots = tensors["kv_slots"].long()
         if slots.numel():
-            values = _bits(written).reshape(slots.numel(), -1)
+            values = _bits(written).reshape(slots.numel(), -1).to(self.device)
             if torch.unique(slots).numel() < slots.numel():
                 # A slot written twice in one step holds its last write, as the cache would.
                 last = {s: j for j, s in enumerate(slots.tolist())}
                 keep = torch.tensor(sorted(last.values()), dtype=torch.long)
-                slots, values = slots[keep], values[keep]
+                slots, values = slots[keep], values[keep.to(self.device)]
             blocks, tokens = slots // geo.block_size, slots % geo.block_size
             unique, inverse = torch.unique(blocks, return_inverse=True)
             rows = self._rows(unique)[inverse]
             at = self.device
-            self.data[rows.to(at)[:, None], self.index[tokens.to(at)]] = values.to(at)
+            self.data[rows.to(at)[:, None], self.index[tokens.to(at)]] = values
             self.known[rows, tokens] = True
 
     def read(self, record: StepRecord, first_step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
