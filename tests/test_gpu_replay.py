@@ -18,7 +18,7 @@ from tests.conftest import FIXTURES, fixture_path
 from tracer.format import Trace
 from tracer.format.schema import INDEX_TENSORS
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")]
 
 ROOT = Path(__file__).resolve().parents[1]
 WITH_TENSORS = sorted(
