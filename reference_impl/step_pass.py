@@ -104,22 +104,24 @@ def _groups(
     kv_cap, score_cap = caps
     groups: list[list[_Item]] = []
     current: list[_Item] = []
-    real = 0
+    real = current_width = 0  # the group's work and _width(current)
     for item in sorted(items, key=lambda it: (it.num_q, it.num_keys)):
-        width = cdiv(item.end, block_size) - item.first // block_size + 1  # blocks, one of slack for alignment
+        own = cdiv(item.end, block_size) - item.first // block_size
+        width = own + 1  # blocks, one of slack for alignment
         work = item.num_q * max(item.num_keys, 1)
         if current:
             n = len(current) + 1
             max_q = max(item.num_q, current[-1].num_q)
-            max_w = max(width, _width(current, block_size))
+            max_w = max(width, current_width)
             padded = n * max_q * max_w * block_size
             fits = n * max_w * block_size * kv_row <= kv_cap and padded * num_heads <= score_cap
             if fits and padded <= (1 + PAD_SLACK) * (real + work) + n * max_q * block_size:
                 current.append(item)
                 real += work
+                current_width = max(current_width, own)
                 continue
             groups.append(current)
-        current, real = [item], work
+        current, real, current_width = [item], work, own
     if current:
         groups.append(current)
     return groups
