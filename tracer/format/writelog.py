@@ -35,6 +35,7 @@ Standard library at module level; torch and safetensors are imported inside func
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -218,22 +219,32 @@ class _LayerState:
 
         geo = self.geometry
         bs = geo.block_size
-        need: dict[int, int] = {}  # block -> tokens from its start some row reads
-        for row, seq_len in zip(record.block_table, record.seq_lens, strict=True):
-            for j, block in enumerate(row):
-                need[block] = max(need.get(block, 0), min(bs, seq_len - j * bs))
-        ids = sorted(need)
-        id_tensor = torch.tensor(ids, dtype=torch.long)
+        # Each block the table names, and the tokens from its start that some row reads.
+        table = record.block_table
+        if len(table) != len(record.seq_lens):
+            raise TraceError(f"{_where(record)}: {len(table)} block-table rows for {len(record.seq_lens)} seq_lens")
+        entries = torch.tensor(list(itertools.chain.from_iterable(table)), dtype=torch.long)
+        widths = torch.tensor([len(row) for row in table], dtype=torch.long)
+        starts = torch.repeat_interleave(torch.cumsum(widths, 0) - widths, widths)
+        position = torch.arange(len(entries)) - starts  # j: the entry's place in its row
+        seq_lens = torch.repeat_interleave(torch.tensor(record.seq_lens, dtype=torch.long), widths)
+        reads = (seq_lens - position * bs).clamp(max=bs)
+        id_tensor, inverse = torch.unique(entries, return_inverse=True)  # sorted
+        most = torch.full((len(id_tensor),), -(1 << 62), dtype=torch.long)
+        most = most.scatter_reduce(0, inverse, reads, reduce="amax")
+        ids = id_tensor.tolist()
         rows = torch.full((len(ids),), -1, dtype=torch.long)
         inside = (id_tensor >= 0) & (id_tensor < geo.num_blocks)  # a record changed in memory may name others
         rows[inside] = self.row_of[id_tensor[inside]]
         present = rows >= 0
         known = torch.zeros(len(ids), bs, dtype=torch.bool)
         known[present] = self.known[rows[present]]
-        leading = known.to(torch.int32).cumprod(dim=1).sum(dim=1).tolist()  # known tokens from offset 0
-        short = {b for b, n, ok in zip(ids, leading, present.tolist(), strict=True) if not ok or n < need[b]}
-        if short:
-            self._missing(record, first_step, short, dict(zip(ids, leading, strict=True)))
+        leading = known.to(torch.int32).cumprod(dim=1).sum(dim=1)  # known tokens from offset 0
+        short = ~present | (leading < most)
+        if bool(short.any()):
+            self._missing(
+                record, first_step, set(id_tensor[short].tolist()), dict(zip(ids, leading.tolist(), strict=True))
+            )
         # Rows of bytes: torch's CPU index_select copies a byte row with one memcpy, wider elements one by one.
         taken = self.data.view(torch.uint8).index_select(0, rows.to(self.device))
         blocks = taken.view(self.dtype).reshape(len(ids), *geo.block_shape)  # type: ignore[arg-type]
