@@ -4,7 +4,7 @@
 # Runs benchmarks/gpu_overhead.py's 192-step default-mode workload (qwen2.5-7b-instruct preset, 3 batches of 32
 # prompts, 64 new tokens) with tensors for layer 0, keeping the trace under $BENCH (default
 # /tmp/pagedtrace-bench, which a later call on the same machine reuses: no second engine); then, in one
-# process, replays it on the GPU with its default workers, with 4 and 2, on the CPU, and on the GPU in one
+# process, replays it on the GPU with its default workers, with 4, on the CPU, and on the GPU in one
 # process; prints each time, steps/s and its ratio to the generate time, and whether the GPU's and the CPU's
 # verdicts agree step by step (attention verdict per step and per head, write path, legacy). Then times
 # `pagedtrace replay` as a user runs it (wall clock, the interpreter's start included) and prints
@@ -44,7 +44,7 @@ print(f"engine generate (3 batches, tensors of layer 0): {generate_s:.3f} s")
 reports = {}
 # The parent must not initialise CUDA before GPU workers fork (each opens its own context), so the runs
 # with workers go first and the one-process GPU run last.
-for device, workers in (("cuda", None), ("cuda", 4), ("cuda", 2), ("cpu", None), ("cuda", 1)):
+for device, workers in (("cuda", None), ("cuda", 4), ("cpu", None), ("cuda", 1)):
     start = time.perf_counter()
     report = replay_trace(Trace.open(trace_dir), device=device, workers=workers)
     if device == "cuda" and torch.cuda.is_initialized():
@@ -72,7 +72,7 @@ for d in differ:
 print("write paths agree:", [(w.step, w.tokens, w.mismatches) for w in gpu.write_path] == [(w.step, w.tokens, w.mismatches) for w in cpu.write_path],
       "legacy agree:", [(c.step, c.ok) for c in gpu.legacy] == [(c.step, c.ok) for c in cpu.legacy], f"({len(gpu.legacy)} legacy checks)")
 PY
-for run in 1 2; do
+for run in 1; do
   t0=$EPOCHREALTIME
   python3 -m pagedtrace replay "$TRACE" > "$OUT/cli-replay-$run.txt" 2>&1
   rc=$?
