@@ -62,7 +62,7 @@ from reference_impl.resolve import kv_spec, read_cache, resolve_layout
 from reference_impl.selection import fmt_range, legacy_sample, sample_records, select_records
 from reference_impl.step_pass import step_kwargs, step_outputs, warm_up
 from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, bar_note, tolerance_for
-from reference_impl.workers import keep_freed_memory, run_records, worker_count
+from reference_impl.workers import is_gpu, keep_freed_memory, run_records, worker_count
 from tracer.format import (
     REPLAY,
     HeadResult,
@@ -174,7 +174,7 @@ def replay_record(
         The step's result and, with ``check_legacy``, the legacy check (None when the
         head size is not a multiple of ``x``).
     """
-    on_gpu = device is not None and torch.device(device).type != "cpu"
+    on_gpu = is_gpu(device)
     inputs = step_inputs(
         record,
         tensors,
@@ -353,7 +353,7 @@ def replay_trace(
         )
     # ---- end of metadata verdicts
     read_layout = layout if layout is not None else resolve_layout(trace, with_tensors)
-    on_gpu = device is not None and torch.device(device).type != "cpu"
+    on_gpu = is_gpu(device)
 
     def replay_one(i: int) -> _Outcome:
         record = with_tensors[i]

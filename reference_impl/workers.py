@@ -45,6 +45,7 @@ __all__ = [
     "Finished",
     "Replayed",
     "cuda_fork_safe",
+    "is_gpu",
     "keep_freed_memory",
     "run_records",
     "shares",
@@ -113,6 +114,11 @@ def keep_freed_memory() -> bool:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
+def is_gpu(device: torch.device | str | None) -> bool:
+    """``device`` names a GPU (None: the CPU)."""
+    return device is not None and torch.device(device).type != "cpu"
+
+
 def cuda_fork_safe() -> bool:
     """A forked child of this process can open its own CUDA context: this process has not
     initialised CUDA (``torch.cuda.device_count`` through NVML does not)."""
@@ -131,7 +137,7 @@ def worker_count(requested: int | None, records: int, device: torch.device | str
     """
     if requested is not None and requested < 1:
         raise ValueError(f"workers {requested}: expected a positive number of processes")
-    gpu = device is not None and torch.device(device).type != "cpu"
+    gpu = is_gpu(device)
     if not can_fork() or (gpu and not cuda_fork_safe()):
         return 1
     if requested is not None:

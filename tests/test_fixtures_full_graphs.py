@@ -170,3 +170,36 @@ def test_the_legacy_round_trip_fails_when_the_layout_loses_a_value(monkeypatch):
 
     monkeypatch.setattr(checks._layouts, "legacy_to_kv", swapped)
     assert not checks.check_legacy_path(*args).ok
+
+
+def test_the_legacy_round_trip_reruns_through_the_given_pass(monkeypatch):
+    # On a GPU replay hands the round trip its own pass (reference_impl.replay._rerun_on_gpu); the
+    # CPU runs the same pass here, so the rerun gives `expected` again and the verdict rests on it.
+    from reference_impl import checks
+    from reference_impl import layouts as layout_module
+    from reference_impl.inputs import step_inputs
+    from reference_impl.step_pass import step_kwargs, step_outputs
+
+    trace = _open("h200-llama3.1-8b-fp8-default-tensors")
+    record = trace.steps(kind="request")[1]
+    inputs = step_inputs(record, trace.tensors(record), trace.run.kv_cache, "flash_nhd", flash_attn_version=3)
+
+    def rerun(key, value):
+        out, _ = step_outputs(inputs.query, key, value, *inputs.args[3:], **step_kwargs(inputs))
+        return out
+
+    expected = rerun(inputs.key_cache, inputs.value_cache)
+    args = (record, inputs.key_cache, inputs.value_cache, inputs.block_table, expected, inputs.query)
+    check = checks.check_legacy_path(*args, trace.run.kv_cache, rerun=rerun)
+    assert check.ok and check.max_abs == 0.0
+    assert not checks.check_legacy_path(*args, trace.run.kv_cache, rerun=lambda k, v: 1.01 * expected).ok
+    back = layout_module.legacy_to_kv
+
+    def swapped(key, value):  # a value lost on the way back changes what the pass reads
+        k, v = back(key, value)
+        k = k.clone()
+        k[0, 0, 0, [0, 1]] = k[0, 0, 0, [1, 0]]
+        return k, v
+
+    monkeypatch.setattr(checks._layouts, "legacy_to_kv", swapped)
+    assert not checks.check_legacy_path(*args, trace.run.kv_cache, rerun=rerun).ok
