@@ -59,7 +59,6 @@ from reference_impl.inputs import (
     step_inputs,
 )
 from reference_impl.resolve import kv_spec, read_cache, resolve_layout
-from reference_impl.selection import fmt_range, legacy_sample, sample_records, select_records
 from reference_impl.step_pass import step_kwargs, step_outputs, warm_up
 from reference_impl.tolerances import REFERENCE_DTYPE, TOL_EPS, TOL_K, TOLERANCE, bar_note, tolerance_for
 from reference_impl.workers import is_gpu, keep_freed_memory, run_records, worker_count
@@ -79,6 +78,7 @@ from tracer.format import (
 )
 from tracer.format.layouts import LAYOUT_CPU_AMX
 from tracer.format.metadata import check_records
+from tracer.format.selection import format_steps, sample_records, select_records
 from tracer.format.summary import tensors_absent
 from tracer.format.writelog import NotInWriteLog
 
@@ -325,7 +325,8 @@ def replay_trace(
     if not selected:
         raise TraceError(
             f"{trace.path}: no recorded step matches the selection "
-            f"(steps {fmt_range(steps)}, layers {','.join(map(str, layers or ())) or 'all'})"
+            f"(steps {'all' if steps is None else format_steps(steps)}, "
+            f"layers {','.join(map(str, layers or ())) or 'all'})"
         )
     with_tensors = [r for r in selected if r.tensors is not None]
     if sample is not None:
@@ -431,6 +432,13 @@ class _Outcome(NamedTuple):
     result: StepResult
     write: WriteCheck | None
     legacy: LegacyCheck | None
+
+
+def legacy_sample(count: int, every: int) -> frozenset[int]:
+    """Indices of the records (of ``count``) whose legacy round trip runs: the first, the last, every ``every``-th."""
+    if count <= 0:
+        return frozenset()
+    return frozenset(range(0, count, max(1, every))) | {count - 1}
 
 
 def unreplayable(record: StepRecord, why: str) -> StepResult:

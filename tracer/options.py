@@ -14,6 +14,7 @@ from typing import Any
 
 from tracer.backends import check_backend
 from tracer.format import parse_layers, parse_steps
+from tracer.format.selection import format_steps
 
 __all__ = [
     "ENV_ATTENTION_BACKEND",
@@ -99,11 +100,10 @@ class TracerOptions:
     def to_env(self) -> dict[str, str]:
         """The ``PAGEDTRACE_*`` variables that make child processes trace the same way."""
         layers = self.layers if isinstance(self.layers, str) else ",".join(map(str, self.layers))
-        start, stop = self.steps
         return {
             ENV_DIR: str(self.directory),
             ENV_LAYERS: layers,
-            ENV_STEPS: f"{'' if start is None else start}:{'' if stop is None else stop}",
+            ENV_STEPS: format_steps(self.steps),
             ENV_TENSORS: "1" if self.tensors else "0",
             ENV_BUDGET: str(self.budget_bytes / 2**20),
             ENV_KV_CHECK: str(self.kv_check_every),

@@ -9,16 +9,24 @@ all read selections through these functions.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tracer.format.records import StepRecord
+    from tracer.format.store import Trace
 
 __all__ = [
     "StepRange",
     "check_steps",
+    "format_steps",
     "layer_index",
     "layer_matches",
     "parse_layer",
     "parse_layers",
     "parse_steps",
+    "sample_records",
+    "select_records",
     "step_in_range",
 ]
 
@@ -97,8 +105,53 @@ def parse_steps(text: str) -> StepRange:
 def check_steps(steps: StepRange, text: str | None = None) -> None:
     """A ``ValueError`` unless ``steps`` is a non-empty range of non-negative step indices."""
     start, stop = steps
-    shown = text if text is not None else f"{'' if start is None else start}:{'' if stop is None else stop}"
+    shown = text if text is not None else format_steps(steps)
     if (start is not None and start < 0) or (stop is not None and stop < 0):
         raise ValueError(f"bad step range {shown!r}: step indices start at 0")
     if start is not None and stop is not None and stop <= start:
         raise ValueError(f"bad step range {shown!r}: STOP ({stop}) must be greater than START ({start}) (half-open)")
+
+
+def format_steps(steps: StepRange) -> str:
+    """``steps`` as ``--steps`` writes it (:func:`parse_steps`' inverse): ``START:STOP``, an open end blank."""
+    start, stop = steps
+    return f"{'' if start is None else start}:{'' if stop is None else stop}"
+
+
+def select_records(
+    trace: Trace,
+    *,
+    steps: StepRange | None = None,
+    layers: Iterable[str | int] | None = None,
+    kind: str | None = None,
+) -> list[StepRecord]:
+    """The records of ``trace`` in a half-open ``steps`` range, of the given ``layers`` and ``kind``.
+
+    Args:
+        steps: ``(start, stop)``, either end None = open; None = all.
+        layers: layer names and/or indices (``model.layers.<i>...``); None = all.
+        kind: a ``StepRecord.kind`` (``request`` ...); None = all.
+    """
+    wanted = None if layers is None else set(layers)
+    return [
+        r
+        for r in trace.records
+        if (kind is None or r.kind == kind)
+        and (steps is None or step_in_range(r.step, steps))
+        and (wanted is None or layer_matches(r.layer, wanted))
+    ]
+
+
+def sample_records(records: list[StepRecord], count: int) -> list[StepRecord]:
+    """``count`` of ``records`` spread evenly over them, the first and the last included; all if fewer.
+
+    Reproducible: the same records for the same inputs (no randomness).
+    """
+    if count <= 0:
+        raise ValueError(f"sample {count}: expected a positive number of steps")
+    if count >= len(records):
+        return list(records)
+    if count == 1:
+        return [records[0]]
+    picks = sorted({round(i * (len(records) - 1) / (count - 1)) for i in range(count)})
+    return [records[i] for i in picks]
