@@ -293,7 +293,8 @@ class WriteLogReader:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kv_block_ids int32 [n], kv_blocks [n, *cache.shape[1:]])`` of ``record``, from the log.
 
-        ``tensors``: ``record``'s own tensors when the caller has them loaded already (on the CPU).
+        ``tensors``: ``record``'s own tensors when the caller has them loaded already (ids on the CPU,
+        the written values on the CPU or on ``device``).
         ``device``: where the run's blocks are kept and ``kv_blocks`` comes back (None: the CPU);
         ``kv_block_ids`` is on the CPU. Asking for another device than the last rebuild of this
         layer's run replays the run there from its start.
