@@ -56,10 +56,14 @@ __all__ = [
 #: write log rebuilt from its run's start cost more than they save).
 MIN_RECORDS_PER_WORKER = 32
 
-#: On a GPU a worker's record costs a third of a CPU worker's (the GPU runs the reference and
-#: the emulation), so fewer records pay for a fork; each also opens a CUDA context (about 0.15 s
-#: of the driver's time, one context after another, and 0.5 GB of GPU memory).
-MIN_RECORDS_PER_GPU_WORKER = 16
+#: On a GPU a record costs about 11 ms of one host thread (the 7B-shaped default-mode workload of
+#: ``benchmarks/gpu_overhead.py`` on an H100), while starting GPU workers costs seconds: each
+#: opens its own CUDA context and loads cuBLAS, and the driver serves them one after another.
+#: Measured on that workload's 196 records (docs/performance.md): one process 2.49 s, 4 workers
+#: 2.74 s, 8 workers 3.24 s, i.e. workers cost about 1.4 s + 0.2 s each against 0.4 s alone.
+#: At 128 records a worker, the first split (2 workers, 256 records) about breaks even and every
+#: later one saves time.
+MIN_RECORDS_PER_GPU_WORKER = 128
 
 #: At most this many GPU workers: more contexts wait longer for the driver than they save.
 MAX_GPU_WORKERS = 8

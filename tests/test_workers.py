@@ -52,6 +52,8 @@ def test_gpu_workers_each_open_a_context_only_where_this_process_has_none(monkey
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(64)), raising=False)
     assert worker_count(None, 10_000, "cuda") == MAX_GPU_WORKERS
     assert worker_count(None, 3 * MIN_RECORDS_PER_GPU_WORKER, "cuda") == 3
+    # the H100's 196-step default-mode trace: GPU workers' contexts would cost more than they save
+    assert worker_count(None, 196, "cuda") == 1
     assert (
         worker_count(None, 3 * MIN_RECORDS_PER_GPU_WORKER, None)
         == 3 * MIN_RECORDS_PER_GPU_WORKER // MIN_RECORDS_PER_WORKER
