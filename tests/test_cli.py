@@ -89,6 +89,27 @@ def test_usage_errors_exit_2(capsys):
     assert code == 2 and out.startswith("error: unknown kernel 'nonsense'") and out.count("\n") == 1
 
 
+def test_workers_give_the_same_verdicts(capsys, monkeypatch):
+    import reference_impl.replay
+
+    assert main(["replay", str(FIXTURE), "--workers", "0"]) == 2
+    assert "--workers: 0: expected a positive whole number" in capsys.readouterr().err
+    started, run_records = [], reference_impl.replay.run_records
+
+    def counted(*args, **kwargs):
+        started.append(args[3])  # the number of processes
+        return run_records(*args, **kwargs)
+
+    monkeypatch.setattr(reference_impl.replay, "run_records", counted)
+    reports = []
+    for workers in ("1", "2"):
+        code, out = _cli("replay", str(FIXTURE), "--workers", workers, "--json", "--no-save")
+        assert code == 0
+        reports.append(json.loads(out)["steps"])
+    assert started == [1, 2]
+    assert reports[0] == reports[1] and len(reports[0]) > 1
+
+
 def test_a_real_mismatch_exits_1(tmp_path):
     dest = tmp_path / "trace"
     shutil.copytree(FIXTURE, dest)

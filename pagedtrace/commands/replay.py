@@ -55,13 +55,13 @@ def _layers(text: str) -> tuple[str | int, ...] | None:
 
 
 def _positive(text: str) -> int:
-    """``--sample``: a positive whole number."""
+    """``--sample``, ``--workers``: a positive whole number."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value}: expected a positive number of steps")
+        raise argparse.ArgumentTypeError(f"{value}: expected a positive whole number")
     return value
 
 
@@ -106,6 +106,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="replay only N of the selected steps, spread evenly over them (the first and last "
         "included, the same ones every time): a quick look at a long trace",
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="replay in N processes (default: one per CPU core with at least 32 steps each; on a GPU "
+        "one per 128 steps, at most 8, since each opens its own CUDA context); the verdicts are the "
+        "same, to the bit, whatever N",
     )
     p.add_argument(
         "--steps",
@@ -179,6 +188,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 progress=on_step,
                 sample=args.sample,
                 device=device,
+                workers=args.workers,
             )
         except CompiledKernelError as exc:
             raise UsageError(f"{exc}; use --kernel fast") from exc
