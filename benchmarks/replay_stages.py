@@ -32,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reference_impl.checks import check_write_path
 from reference_impl.emulation import emulation_of
 from reference_impl.inputs import emulated_output, judge_output, run_kernel, step_inputs
-from reference_impl.replay import REPLAY_THREADS, select_records
+from reference_impl.replay import REPLAY_THREADS
 from reference_impl.resolve import kv_spec, resolve_layout
 from reference_impl.step_pass import step_kwargs, step_outputs
 from reference_impl.tolerances import REFERENCE_DTYPE
 from reference_impl.workers import keep_freed_memory
 from tracer.format import Trace
-from tracer.format.selection import parse_steps
+from tracer.format.selection import parse_steps, select_records
 
 
 class _Laps:

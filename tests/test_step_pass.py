@@ -9,10 +9,11 @@ import torch
 
 from reference_impl.emulation import emulation_of
 from reference_impl.inputs import judge_output, reference_outputs, step_inputs
-from reference_impl.replay import legacy_sample, sample_records
+from reference_impl.replay import legacy_sample
 from reference_impl.resolve import kv_spec, resolve_layout
 from reference_impl.step_pass import select_device, step_kwargs, step_outputs
 from tracer.format import Trace
+from tracer.format.selection import sample_records
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 WITH_TENSORS = sorted(p.name for p in FIXTURES.iterdir() if (p / "tensors").is_dir())

@@ -29,6 +29,7 @@ from rich.text import Text
 
 from pagedtrace.commands import literal, short_layer
 from pagedtrace.terminal import Elided, count_elided, elide_passing
+from tracer.format.selection import select_records
 
 
 def replay_progress(console: Console, *, disable: bool) -> Progress:
@@ -156,8 +157,6 @@ def _record_ok(r, writes: dict, legacies: dict, metadata: dict) -> bool:
 
 def sampled_note(report, args: argparse.Namespace, trace, legacy_every: int) -> str:
     """What the verdict line stands on when not every step or round trip ran ("" otherwise)."""
-    from reference_impl.replay import select_records
-
     parts = []
     if args.sample is not None and report.steps:
         total = sum(r.tensors is not None for r in select_records(trace, steps=args.steps, layers=args.layers))
