@@ -143,7 +143,6 @@ def test_tensors_of_full_graph_steps_come_from_the_graphs_and_replay():
 
 def test_the_legacy_round_trip_fails_when_the_layout_loses_a_value(monkeypatch):
     from reference_impl import checks
-    from reference_impl import layouts as layout_module
     from reference_impl.inputs import reference_outputs, step_inputs
 
     trace = _open("h200-llama3.1-8b-fp8-default-tensors")
@@ -160,23 +159,30 @@ def test_the_legacy_round_trip_fails_when_the_layout_loses_a_value(monkeypatch):
         trace.run.kv_cache,
     )
     assert checks.check_legacy_path(*args).ok
+    _lose_a_value_on_the_way_back(monkeypatch)
+    assert not checks.check_legacy_path(*args).ok
+
+
+def _lose_a_value_on_the_way_back(monkeypatch):
+    """Make the legacy layout's way back swap two values of one head."""
+    from reference_impl import checks
+    from reference_impl import layouts as layout_module
+
     back = layout_module.legacy_to_kv
 
-    def swapped(key, value):  # two values of one head trade places on the way back
+    def swapped(key, value):
         k, v = back(key, value)
         k = k.clone()
         k[0, 0, 0, [0, 1]] = k[0, 0, 0, [1, 0]]
         return k, v
 
     monkeypatch.setattr(checks._layouts, "legacy_to_kv", swapped)
-    assert not checks.check_legacy_path(*args).ok
 
 
 def test_the_legacy_round_trip_reruns_through_the_given_pass(monkeypatch):
     # On a GPU replay hands the round trip its own pass (reference_impl.replay._rerun_on_gpu); the
     # CPU runs the same pass here, so the rerun gives `expected` again and the verdict rests on it.
     from reference_impl import checks
-    from reference_impl import layouts as layout_module
     from reference_impl.inputs import step_inputs
     from reference_impl.step_pass import step_kwargs, step_outputs
 
@@ -193,13 +199,5 @@ def test_the_legacy_round_trip_reruns_through_the_given_pass(monkeypatch):
     check = checks.check_legacy_path(*args, trace.run.kv_cache, rerun=rerun)
     assert check.ok and check.max_abs == 0.0
     assert not checks.check_legacy_path(*args, trace.run.kv_cache, rerun=lambda k, v: 1.01 * expected).ok
-    back = layout_module.legacy_to_kv
-
-    def swapped(key, value):  # a value lost on the way back changes what the pass reads
-        k, v = back(key, value)
-        k = k.clone()
-        k[0, 0, 0, [0, 1]] = k[0, 0, 0, [1, 0]]
-        return k, v
-
-    monkeypatch.setattr(checks._layouts, "legacy_to_kv", swapped)
+    _lose_a_value_on_the_way_back(monkeypatch)  # it changes what the pass reads
     assert not checks.check_legacy_path(*args, trace.run.kv_cache, rerun=rerun).ok
