@@ -110,6 +110,16 @@ def test_workers_give_the_same_verdicts(capsys, monkeypatch):
     assert reports[0] == reports[1] and len(reports[0]) > 1
 
 
+def test_the_workers_help_gives_the_defaults_replay_uses(capsys):
+    # The CLI writes them out rather than import reference_impl (and torch) to build its parser.
+    from reference_impl.workers import MAX_GPU_WORKERS, MIN_RECORDS_PER_GPU_WORKER, MIN_RECORDS_PER_WORKER
+
+    assert main(["replay", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"one per CPU core with at least {MIN_RECORDS_PER_WORKER} steps each" in text
+    assert f"one per {MIN_RECORDS_PER_GPU_WORKER} steps, at most {MAX_GPU_WORKERS}" in text
+
+
 def test_a_real_mismatch_exits_1(tmp_path):
     dest = tmp_path / "trace"
     shutil.copytree(FIXTURE, dest)
