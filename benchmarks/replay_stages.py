@@ -5,13 +5,15 @@ does, timing each stage around the call replay makes for it (a GPU is synchronis
 boundary, so its asynchronous work lands in the stage that queued it), and prints milliseconds per
 record for each stage::
 
-    python benchmarks/replay_stages.py TRACE [--device cuda] [--steps 200:230] [--profile 30]
+    python benchmarks/replay_stages.py TRACE [--device cuda] [--steps 200:230] [--profile 30] [--torch-profile 30]
 
 The stages: ``tensors`` (the record's safetensors file, the KV write log applied and read),
 ``inputs`` (:func:`reference_impl.inputs.step_inputs`: the captured blocks in the canonical layout),
 ``reference`` (on a CPU the fp64 reference form; on a GPU the one pass of reference and emulation),
 ``emulation`` (CPU only: the bar's baseline), ``judge`` (the bar and the verdict), ``write path``.
-Figures only, no asserts.
+``--profile N`` adds cProfile's N costliest Python functions; ``--torch-profile N`` torch's profiler's
+N costliest operators by their own host time (on a GPU, with their device time and the CUDA calls
+that wait, such as copies from pageable memory). Figures only, no asserts.
 """
 
 from __future__ import annotations
@@ -68,8 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="also print cProfile's N costliest functions"
     )
+    parser.add_argument(
+        "--torch-profile", type=int, default=0, metavar="N", help="also print torch's profiler's N costliest operators"
+    )
     args = parser.parse_args(argv)
     profiler = cProfile.Profile() if args.profile else None
+    operators = None
+    if args.torch_profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if args.device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        operators = torch.profiler.profile(activities=activities, acc_events=True)
     torch.set_num_threads(REPLAY_THREADS)
     keep_freed_memory()  # as replay_trace does
     trace = Trace.open(args.trace)
@@ -87,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.repeat):
         if profiler is not None and round_ == args.repeat - 1:
             profiler.enable()
+        if operators is not None and round_ == args.repeat - 1:
+            operators.start()
         laps = _Laps(sync)
         trace = Trace.open(args.trace)  # a fresh write-log state per round
         for record in records:
@@ -117,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
                 baseline = emulated_output(inputs)
                 laps.lap("emulation")
             judge_output(inputs, output, expected, baseline)
-            expected[: inputs.num_tokens].abs().amax(dim=(0, 2)).tolist()
             laps.lap("judge")
             check_write_path(record, tensors, spec, layout)
             laps.lap("write path")
     if profiler is not None:
         profiler.disable()
+    if operators is not None:
+        operators.stop()
     total = sum(laps.spent.values())
     n = max(1, len(records))
     per = 1e3 * total / n
@@ -131,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {stage:<11} {1e3 * seconds / n:7.2f} ms per record  ({100 * seconds / total:4.1f} %)")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+    if operators is not None:
+        print(operators.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
     return 0
 
 

@@ -26,6 +26,7 @@ from reference_impl.options import KernelOptions
 from reference_impl.resolve import quantize_like_cache, read_cache
 from reference_impl.tolerances import REFERENCE_DTYPE
 from tracer.format import STORED_LAYOUTS, KVCacheSpec, LegacyCheck, StepRecord, TraceError, WriteCheck
+from tracer.format.transfer import to_device
 
 __all__ = ["check_legacy_path", "check_write_path"]
 
@@ -79,23 +80,24 @@ def check_write_path(
     if writer is None:
         raise TraceError(f"no writer for KV layout {layout!r}")
     kv_blocks = tensors["kv_blocks"]
-    at = kv_blocks.device  # the check runs where the blocks are
-    block_ids = tensors["kv_block_ids"].to(at, torch.long)
+    at = kv_blocks.device  # the bits are compared where the blocks are; the token indices, on the CPU
+    block_ids = tensors["kv_block_ids"].to("cpu", torch.long)
     key, value = tensors["key"].to(at), tensors["value"].to(at)
     num = min(len(record.slot_mapping), key.shape[0], value.shape[0])
-    slot_mapping = torch.tensor(record.slot_mapping[:num], dtype=torch.long, device=at)
+    slot_mapping = torch.tensor(record.slot_mapping[:num], dtype=torch.long)
     written, index, offset, captured = _slot_positions(slot_mapping, block_ids, spec.block_size)
     rows = captured.nonzero().flatten()
-    idx, off = index[rows], offset[rows]
+    # Only the blocks the step wrote into are compared (a difference elsewhere is never read
+    # back below): repacking the whole cache each step would cost more than the attention.
+    touched, inverse = torch.unique(index[rows], return_inverse=True)
+    sizes = (len(rows), len(rows), len(rows), len(touched))
+    rows_at, idx, off, touched = to_device(torch.cat([rows, inverse, offset[rows], touched]), at).split(sizes)
 
     # The scales the engine used that step (format 2), else the manifest's.
     k_scale = spec.k_scale if record.k_scale is None else record.k_scale
     v_scale = spec.v_scale if record.v_scale is None else record.v_scale
-    new_k = quantize_like_cache(key[:num][rows], kv_blocks.dtype, k_scale)  # [t, H_kv, D]
-    new_v = quantize_like_cache(value[:num][rows], kv_blocks.dtype, v_scale)
-    # Only the blocks the step wrote into are compared (a difference elsewhere is never read
-    # back below): repacking the whole cache each step would cost more than the attention.
-    touched, idx = torch.unique(idx, return_inverse=True)
+    new_k = quantize_like_cache(key[:num][rows_at], kv_blocks.dtype, k_scale)  # [t, H_kv, D]
+    new_v = quantize_like_cache(value[:num][rows_at], kv_blocks.dtype, v_scale)
     kv_blocks = kv_blocks.index_select(0, touched)
     got_k, got_v = read_cache(kv_blocks, layout, spec.head_size)
     key_cache, value_cache = got_k.clone(), got_v.clone()
@@ -113,7 +115,7 @@ def check_write_path(
     token_bad |= _differs(got_k[idx, off], new_k).flatten(1).any(1)
     token_bad |= _differs(got_v[idx, off], new_v).flatten(1).any(1)
     bad = written & ~captured
-    bad[rows[token_bad]] = True
+    bad[rows[token_bad.cpu()]] = True  # the one transfer back
     mismatches = int(bad.sum())
     return WriteCheck(
         step=record.step,

@@ -9,7 +9,8 @@ row's K/V, batched over rows of similar shape instead of looping over requests:
   row is one query over its keys, a prefill chunk ``t`` queries over the keys any of them
   sees (window and causal edge cut the range);
 * items are sorted by (queries, keys) and padded into groups whose padding costs at most
-  :data:`PAD_SLACK` of the group's real work and whose logits stay under the memory caps;
+  the device's :data:`PAD_SLACK` of the group's real work and whose logits stay under the
+  memory caps;
 * per group, K/V blocks are gathered once through the block table in the cache dtype, then
   read as fp64 for the reference (a masked softmax: :mod:`reference_impl.kernel`'s
   semantics) and as the emulation's inputs (bf16/fp16 values, or fp8 e4m3 with descales,
@@ -24,11 +25,12 @@ kernels it models (``torch.backends.cuda.matmul.allow_tf32`` is turned off durin
 
 Einsum letters as in :mod:`reference_impl.kernel`, with ``r`` the item within a group.
 
-Imports torch and :mod:`reference_impl` only.
+Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) only.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,11 +42,16 @@ from reference_impl.common import FP8_STORAGE, add_sinks, cdiv
 from reference_impl.emulation import FLASH, FP8_MAX_OFFSET, Emulation, round_output
 from reference_impl.emulation_rows import softmax_first
 from reference_impl.gathered import visibility
+from tracer.format.transfer import to_device
 
 __all__ = ["DEVICES", "PAD_SLACK", "select_device", "step_kwargs", "step_outputs", "warm_up"]
 
-#: Padding a group may add, as a share of its items' own logits (sorted items pad little).
-PAD_SLACK = 0.25
+#: Padding a group may add, as a share of its items' own logits, per device kind. On a CPU padded
+#: logits cost what real ones do: sorted items pad little. On a GPU the pass is bound by the host,
+#: which launches some fifty kernels a group (about 0.4 ms on an H100), while the padded arithmetic
+#: runs on a device that is otherwise idle: a step's rows share one group unless it would pad more
+#: than three times their work (a decode step's 32 rows of 260 to 430 keys pad about 0.3 times).
+PAD_SLACK = {"cpu": 0.25, "cuda": 3.0}
 
 #: Caps per group, in elements: gathered K (one of K/V, ``r * n * H_kv * D``) and logits
 #: (``r * t * n * H``), per device kind (a CPU group should stay near its caches).
@@ -98,9 +105,9 @@ def _items(
 
 
 def _groups(
-    items: list[_Item], block_size: int, kv_row: int, num_heads: int, caps: tuple[int, int]
+    items: list[_Item], block_size: int, kv_row: int, num_heads: int, caps: tuple[int, int], slack: float
 ) -> list[list[_Item]]:
-    """Items sorted by (queries, keys), padded into groups within :data:`PAD_SLACK` and ``caps``."""
+    """Items sorted by (queries, keys), padded into groups within ``slack`` (:data:`PAD_SLACK`) and ``caps``."""
     kv_cap, score_cap = caps
     groups: list[list[_Item]] = []
     current: list[_Item] = []
@@ -115,7 +122,7 @@ def _groups(
             max_w = max(width, current_width)
             padded = n * max_q * max_w * block_size
             fits = n * max_w * block_size * kv_row <= kv_cap and padded * num_heads <= score_cap
-            if fits and padded <= (1 + PAD_SLACK) * (real + work) + n * max_q * block_size:
+            if fits and padded <= (1 + slack) * (real + work) + n * max_q * block_size:
                 current.append(item)
                 real += work
                 current_width = max(current_width, own)
@@ -233,6 +240,7 @@ def _step_outputs(
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
     caps = _CAPS.get(dev.type, _CAPS["cpu"])
+    slack = PAD_SLACK.get(dev.type, PAD_SLACK["cpu"])
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     items = _items(lens, starts, causal, window, num_heads, caps[1])
     table = block_table.tolist()
@@ -254,27 +262,28 @@ def _step_outputs(
     score_scale = scale * (q_scale * k_scale if fp8_path else 1.0)
     p_offset = float(2**FP8_MAX_OFFSET) if fp8_path else 1.0
 
-    for members in _groups(items, block_size, num_kv_heads * head_size, num_heads, caps):
+    for members in _groups(items, block_size, num_kv_heads * head_size, num_heads, caps, slack):
         r, max_q, width = len(members), max(it.num_q for it in members), _width(members, block_size)
+        # The group's indices cross to the device in one transfer, cut into views there.
         lo = [it.first // block_size for it in members]
         ids = [(table[it.seq][b0 : b0 + width] + [0] * width)[:width] for it, b0 in zip(members, lo, strict=True)]
-        ids_t = torch.tensor(ids, dtype=torch.long, device=dev).view(-1)
+        q_at = [[it.pos0 + min(i, it.num_q - 1) for i in range(max_q)] for it in members]
+        row_at = [[it.row0 + min(i, it.num_q - 1) for i in range(max_q)] for it in members]
+        keep = [(i * max_q + j) for i, it in enumerate(members) for j in range(it.num_q)]
+        kept = [it.row0 + j for it in members for j in range(it.num_q)]
+        flat = list(itertools.chain(*ids, lo, [it.first for it in members], [it.end for it in members]))
+        flat += itertools.chain(*q_at, *row_at, keep, kept)
+        sizes = (r * width, r, r, r, r * max_q, r * max_q, len(keep), len(kept))
+        uploaded = to_device(torch.tensor(flat, dtype=torch.long), dev)
+        ids_t, lo_t, first_t, end_t, q_pos, row_ids, keep_t, rows = uploaded.split(sizes)
         k_raw = k_cache.index_select(0, ids_t).view(r, width * block_size, num_kv_heads, head_size)
         v_raw = v_cache.index_select(0, ids_t).view(r, width * block_size, num_kv_heads, head_size)
-        k_pos = (torch.tensor(lo, device=dev) * block_size)[:, None] + torch.arange(width * block_size, device=dev)
-        k_valid = (k_pos >= torch.tensor([it.first for it in members], device=dev)[:, None]) & (
-            k_pos < torch.tensor([it.end for it in members], device=dev)[:, None]
-        )
-        q_pos = torch.tensor([[it.pos0 + min(i, it.num_q - 1) for i in range(max_q)] for it in members], device=dev)
-        row_ids = torch.tensor(
-            [[it.row0 + min(i, it.num_q - 1) for i in range(max_q)] for it in members], device=dev
-        ).view(-1)
+        k_pos = (lo_t * block_size)[:, None] + torch.arange(width * block_size, device=dev)
+        k_valid = (k_pos >= first_t[:, None]) & (k_pos < end_t[:, None])
+        q_pos = q_pos.view(r, max_q)
         visible = visibility(q_pos, k_pos, k_valid, causal, window)  # [r, t, n]
         stale = ~k_valid[:, :, None, None]
         distance = (q_pos[:, :, None] - k_pos[:, None, :]).abs() if slopes is not None else None
-        keep = [(i * max_q + j) for i, it in enumerate(members) for j in range(it.num_q)]
-        keep_t = torch.tensor(keep, device=dev)
-        rows = row_ids[keep_t]
 
         if reference:
             assert expected is not None and lse is not None

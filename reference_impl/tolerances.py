@@ -209,7 +209,8 @@ def compare(
         A JSON-ready dict: ``max_abs`` (NaN if any error is NaN); ``max_rel`` (``max_abs``
         over ``max|expected|``); ``per_head_max_abs``, ``per_head_tol``,
         ``per_head_ok``, ``per_head_baseline_max_abs``, ``per_head_mean_abs``,
-        ``per_head_mean_tol`` (None where the mean bar does not apply) (lists of ``H``);
+        ``per_head_mean_tol`` (None where the mean bar does not apply), ``per_head_scale``
+        (the largest ``|expected|``) (lists of ``H``);
         ``baseline_max_abs``; ``floor`` and ``tol`` (the step's: at its largest values);
         ``ok`` (every head within its bars).
     """
@@ -222,31 +223,46 @@ def compare(
     tol_h, base_h, floor_h = head_bars(expected, baseline, dtype=dtype, k=k, floor_ulps=floor_ulps)
     ok_h = per_head <= tol_h  # NaN compares False
     mean_h = _per_head_mean(err)
-    mean_tol: list[float | None] = [None] * len(mean_h)
-    if baseline is not None and dtype in MEAN_DTYPES and err.numel():
+    scale_h = _per_head_max(expected.double().abs())
+    columns = [per_head, tol_h, ok_h, base_h, mean_h, scale_h]
+    mean_bar = baseline is not None and dtype in MEAN_DTYPES and err.numel() > 0
+    if mean_bar:
+        assert baseline is not None
         base_mean = _per_head_mean((baseline.double() - expected.double()).abs())
         bar = MEAN_K * base_mean + MEAN_FLOOR_ULPS * _eps(dtype) * _per_head_mean(expected.double().abs())
-        ok_h &= mean_h <= bar
-        mean_tol = bar.tolist()
-    max_abs = float(err.max()) if err.numel() else 0.0
-    scale = float(expected.double().abs().max()) if expected.numel() else 0.0
-    base = float(base_h.max()) if base_h.numel() else 0.0
-    floor = float(floor_h.max()) if floor_h.numel() else 0.0
+        columns[2] = ok_h & (mean_h <= bar)
+        columns.append(bar)
+    # Every number crosses from the device once (the tensors may be on a GPU): the same floats as float(x) each.
+    at = err.device
+    tops = [_top(x, at) for x in (per_head, scale_h, base_h, floor_h)]  # the step's: the largest head's
+    numbers = torch.cat([*tops, *(c.to(at, torch.float64) for c in columns)]).tolist()
+    (max_abs, scale, base, floor), heads = numbers[:4], len(per_head)
+    per_head_l, tol_l, ok_l, base_l, mean_l, scale_l, *bar_l = (
+        numbers[4 + i * heads : 4 + (i + 1) * heads] for i in range(len(columns))
+    )
+    ok_l = [x == 1.0 for x in ok_l]
     return {
         "max_abs": max_abs,
         "max_rel": max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf),
-        # One transfer per list (the tensors may be on a GPU): the same floats as float(x) each.
-        "per_head_max_abs": per_head.double().tolist(),
-        "per_head_tol": tol_h.double().tolist(),
-        "per_head_ok": ok_h.tolist(),
-        "per_head_baseline_max_abs": base_h.double().tolist(),
-        "per_head_mean_abs": mean_h.tolist(),
-        "per_head_mean_tol": mean_tol,
+        "per_head_max_abs": per_head_l,
+        "per_head_tol": tol_l,
+        "per_head_ok": ok_l,
+        "per_head_baseline_max_abs": base_l,
+        "per_head_mean_abs": mean_l,
+        "per_head_mean_tol": bar_l[0] if mean_bar else [None] * heads,
+        "per_head_scale": scale_l,
         "baseline_max_abs": base,
         "floor": floor,
         "tol": k * base + floor,
-        "ok": bool(ok_h.all()) and not math.isnan(max_abs),
+        "ok": all(ok_l) and not math.isnan(max_abs),
     }
+
+
+def _top(x: torch.Tensor, at: torch.device) -> torch.Tensor:
+    """``[1]`` fp64 on ``at``: the largest value of ``x`` (NaN propagates), 0 when ``x`` is empty."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float64, device=at)
+    return x.amax().reshape(1).to(at, torch.float64)
 
 
 def bar_note(verdict: dict) -> str:

@@ -4,11 +4,14 @@
 # Runs benchmarks/gpu_overhead.py's 192-step default-mode workload (qwen2.5-7b-instruct preset, 3 batches of 32
 # prompts, 64 new tokens) with tensors for layer 0, keeping the trace under $BENCH (default
 # /tmp/pagedtrace-bench, which a later call on the same machine reuses: no second engine); then, in one
-# process, replays it on the GPU with its default workers, with 4, on the CPU, and on the GPU in one
-# process; prints each time, steps/s and its ratio to the generate time, and whether the GPU's and the CPU's
-# verdicts agree step by step (attention verdict per step and per head, write path, legacy). Then times
-# `pagedtrace replay` as a user runs it (wall clock, the interpreter's start included) and prints
-# benchmarks/replay_stages.py's stage times of one GPU process with its 40 costliest functions.
+# process, replays it on the GPU with 4 workers, on the CPU, and on the GPU with its default workers;
+# prints each time, steps/s and its ratio to the generate time, and whether the GPU's and the CPU's
+# verdicts agree step by step (attention verdict per step and per head, write path, legacy). Then
+# `replay_trace` on the GPU in a fresh process per round, ROUNDS times (default 3), and, with
+# BASELINE=DIR (the packages of another commit: `git archive COMMIT reference_impl tracer pagedtrace`),
+# that commit's replay_trace in the rounds between, side by side. Then times `pagedtrace replay` as a
+# user runs it (wall clock, the interpreter's start included) and prints benchmarks/replay_stages.py's
+# stage times of one GPU process with its 40 costliest functions and torch's 40 costliest operators.
 set -uo pipefail
 OUT=${OUT:?set OUT to an output directory}
 BENCH=${BENCH:-/tmp/pagedtrace-bench}
@@ -16,7 +19,8 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$REPO" || exit 1
 # shellcheck disable=SC1091
 source .device/install.sh env
-export PYTHONPATH="$REPO:${PYTHONPATH:-}"
+SITE=${PYTHONPATH:-}  # the installed packages, without this tree
+export PYTHONPATH="$REPO:$SITE"
 mkdir -p "$BENCH"
 start=$(date +%s)
 if [ ! -f "$BENCH/gpu-overhead.json" ]; then
@@ -44,13 +48,13 @@ print(f"engine generate (3 batches, tensors of layer 0): {generate_s:.3f} s")
 reports = {}
 # The parent must not initialise CUDA before GPU workers fork (each opens its own context), so the runs
 # with workers go first and the one-process GPU run last.
-for device, workers in (("cuda", None), ("cuda", 4), ("cpu", None), ("cuda", 1)):
+for device, workers in (("cuda", 4), ("cpu", None), ("cuda", None)):
     start = time.perf_counter()
     report = replay_trace(Trace.open(trace_dir), device=device, workers=workers)
     if device == "cuda" and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    processes = worker_count(workers, len(report.steps), device) if workers != 1 else 1
+    processes = worker_count(workers, len(report.steps), device)
     if workers is None:
         reports[device] = report
         (out / f"replay-{device}.json").write_text(json.dumps(report.to_json(), indent=1))
@@ -72,6 +76,27 @@ for d in differ:
 print("write paths agree:", [(w.step, w.tokens, w.mismatches) for w in gpu.write_path] == [(w.step, w.tokens, w.mismatches) for w in cpu.write_path],
       "legacy agree:", [(c.step, c.ok) for c in gpu.legacy] == [(c.step, c.ok) for c in cpu.legacy], f"({len(gpu.legacy)} legacy checks)")
 PY
+# Fresh processes, round by round: this tree's replay_trace and (BASELINE) another commit's, alternating.
+cat > /tmp/replay-round.py <<'PY'
+import sys, time
+import torch
+from reference_impl.replay import replay_trace
+from tracer.format import Trace
+times = []
+for _ in range(2):  # the first opens the CUDA context (as a user's replay does), the second finds it open
+    start = time.perf_counter()
+    report = replay_trace(Trace.open(sys.argv[1]), device="cuda")
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - start)
+print(f"{times[0]:.3f} s (context opened), {times[1]:.3f} s (open); {len(report.steps)} steps, verdict {'ok' if report.ok else 'MISMATCH'}")
+PY
+generate_s=$(python3 -c "import json,sys; c=json.load(open(sys.argv[1])); c=c.get('cases',c) if isinstance(c,dict) else c; c=c if isinstance(c,list) else list(c.values()); print(next(x for x in c if x.get('case')=='tensors-l0')['generate_s'])" "$BENCH/gpu-overhead.json")
+for round in $(seq "${ROUNDS:-3}"); do
+  echo "round $round: this tree: $(PYTHONPATH="$REPO:$SITE" python3 /tmp/replay-round.py "$TRACE" 2>&1 | tail -1) (generate $generate_s s)" | tee -a "$OUT/replay-gpu.txt"
+  if [ -n "${BASELINE:-}" ]; then
+    echo "round $round: baseline: $(cd "$BASELINE" && PYTHONPATH="$BASELINE:$SITE" python3 /tmp/replay-round.py "$TRACE" 2>&1 | tail -1)" | tee -a "$OUT/replay-gpu.txt"
+  fi
+done
 for run in 1; do
   t0=$EPOCHREALTIME
   python3 -m pagedtrace replay "$TRACE" > "$OUT/cli-replay-$run.txt" 2>&1
@@ -80,5 +105,6 @@ for run in 1; do
   echo "pagedtrace replay (wall, run $run): exit $rc in $wall s; last line: $(tail -1 "$OUT/cli-replay-$run.txt")" | tee -a "$OUT/replay-gpu.txt"
 done
 python3 benchmarks/replay_stages.py "$TRACE" --device cuda --repeat 2 --profile 40 > "$OUT/replay-stages-gpu.txt" 2>&1
+python3 benchmarks/replay_stages.py "$TRACE" --device cuda --repeat 2 --torch-profile 40 >> "$OUT/replay-stages-gpu.txt" 2>&1
 head -12 "$OUT/replay-stages-gpu.txt"
 echo "replay-gpu: done after $(( $(date +%s) - start )) s; outputs under $OUT"

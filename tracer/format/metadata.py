@@ -245,13 +245,19 @@ def _check_shared(record: StepRecord, bs: int, tokens: Tokens | None) -> Metadat
             if block > NULL_BLOCK:
                 where.setdefault(block, []).append((r, j, seq_len))
     unknown: set[int] = set()
+    prompts: dict[int, Sequence[int] | None] = {}  # row -> its request's tokens, looked up once
+
+    def tokens_of(row: int) -> Sequence[int] | None:
+        if row not in prompts:
+            prompts[row] = _request_tokens(_rid(record, row), tokens)
+        return prompts[row]
+
     for block, places in sorted(where.items()):
-        rows = {r for r, _, _ in places}
-        if len(rows) < 2:
+        if len(places) < 2 or len({r for r, _, _ in places}) < 2:
             continue
         f.checked += 1
         r0, j0, _ = places[0]
-        seq0 = _request_tokens(_rid(record, r0), tokens)
+        seq0 = tokens_of(r0)
         for r, j, seq_len in places:
             if j != j0:
                 f.add(f"block {block} is logical block {j0} of row {r0} but {j} of row {r}", r, j * bs)
@@ -260,7 +266,7 @@ def _check_shared(record: StepRecord, bs: int, tokens: Tokens | None) -> Metadat
                 f.add(f"shared block {block} is not full (seq_len {seq_len}, block ends at {(j + 1) * bs})", r, j * bs)
             if r == r0:
                 continue
-            seq = _request_tokens(_rid(record, r), tokens)
+            seq = tokens_of(r)
             end = (j + 1) * bs
             if seq0 is None or seq is None or len(seq0) < end or len(seq) < end:
                 unknown.update(x for x, s in ((r0, seq0), (r, seq)) if s is None or len(s) < end)

@@ -46,6 +46,7 @@ from tracer.format.errors import TraceError
 from tracer.format.layouts import token_elements
 from tracer.format.records import KVCacheSpec, RunInfo, StepRecord
 from tracer.format.schema import WRITE_LOG_TENSORS, check_tensors
+from tracer.format.transfer import to_device
 
 if TYPE_CHECKING:
     import torch
@@ -190,11 +191,12 @@ class _LayerState:
         new_ids = tensors["kv_new_block_ids"].long()
         if new_ids.numel():
             rows = self._rows(new_ids)
-            self.data[rows.to(self.device)] = _bits(new_blocks).reshape(new_ids.numel(), geo.elements).to(self.device)
+            blocks = to_device(_bits(new_blocks).reshape(new_ids.numel(), geo.elements), self.device)
+            self.data[to_device(rows, self.device)] = blocks
             self.known[rows] = True
         slots = tensors["kv_slots"].long()
         if slots.numel():
-            values = _bits(written).reshape(slots.numel(), -1).to(self.device)
+            values = to_device(_bits(written).reshape(slots.numel(), -1), self.device)
             if torch.unique(slots).numel() < slots.numel():
                 # A slot written twice in one step holds its last write, as the cache would.
                 last = {s: j for j, s in enumerate(slots.tolist())}
@@ -203,8 +205,8 @@ class _LayerState:
             blocks, tokens = slots // geo.block_size, slots % geo.block_size
             unique, inverse = torch.unique(blocks, return_inverse=True)
             rows = self._rows(unique)[inverse]
-            at = self.device
-            self.data[rows.to(at)[:, None], self.index[tokens.to(at)]] = values
+            rows_at, tokens_at = to_device(torch.stack([rows, tokens]), self.device)
+            self.data[rows_at[:, None], self.index[tokens_at]] = values
             self.known[rows, tokens] = True
 
     def read(self, record: StepRecord, first_step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -246,7 +248,7 @@ class _LayerState:
                 record, first_step, set(id_tensor[short].tolist()), dict(zip(ids, leading.tolist(), strict=True))
             )
         # Rows of bytes: torch's CPU index_select copies a byte row with one memcpy, wider elements one by one.
-        taken = self.data.view(torch.uint8).index_select(0, rows.to(self.device))
+        taken = self.data.view(torch.uint8).index_select(0, to_device(rows, self.device))
         blocks = taken.view(self.dtype).reshape(len(ids), *geo.block_shape)  # type: ignore[arg-type]
         return id_tensor.to(torch.int32), blocks, known
 
