@@ -26,7 +26,6 @@ from reference_impl.options import KernelOptions
 from reference_impl.resolve import quantize_like_cache, read_cache
 from reference_impl.tolerances import REFERENCE_DTYPE
 from tracer.format import STORED_LAYOUTS, KVCacheSpec, LegacyCheck, StepRecord, TraceError, WriteCheck
-from tracer.format.transfer import to_device
 
 __all__ = ["check_legacy_path", "check_write_path"]
 
@@ -91,7 +90,7 @@ def check_write_path(
     # back below): repacking the whole cache each step would cost more than the attention.
     touched, inverse = torch.unique(index[rows], return_inverse=True)
     sizes = (len(rows), len(rows), len(rows), len(touched))
-    rows_at, idx, off, touched = to_device(torch.cat([rows, inverse, offset[rows], touched]), at).split(sizes)
+    rows_at, idx, off, touched = torch.cat([rows, inverse, offset[rows], touched]).to(at).split(sizes)
 
     # The scales the engine used that step (format 2), else the manifest's.
     k_scale = spec.k_scale if record.k_scale is None else record.k_scale

@@ -152,6 +152,7 @@ def replay_record(
     flash_attn_version: int | None = None,
     emulation: Emulation = FLASH,
     device: torch.device | str | None = None,
+    inputs: StepInputs | None = None,
 ) -> tuple[StepResult, LegacyCheck | None]:
     """Rerun one (step, layer)'s attention and judge vLLM's ``output``.
 
@@ -169,21 +170,19 @@ def replay_record(
         device: a GPU (``cuda``) computes the reference and the baseline there in one batched
             pass (:mod:`reference_impl.step_pass`: fp64 reference, fp32 emulation); None or the
             CPU: the ``kernel`` form and the emulation on the CPU.
+        inputs: the step's kernel inputs when the caller has read them already (:func:`step_inputs`
+            of these arguments, on ``device``); None: read here.
 
     Returns:
         The step's result and, with ``check_legacy``, the legacy check (None when the
         head size is not a multiple of ``x``).
     """
     on_gpu = is_gpu(device)
-    inputs = step_inputs(
-        record,
-        tensors,
-        spec,
-        layout,
-        flash_attn_version=flash_attn_version,
-        emulation=emulation,
-        device=device if on_gpu else None,
-    )
+    if inputs is None:
+        read_to = device if on_gpu else None
+        inputs = step_inputs(
+            record, tensors, spec, layout, flash_attn_version=flash_attn_version, emulation=emulation, device=read_to
+        )
     output, num = tensors["output"], inputs.num_tokens
     if on_gpu:
         # The verdict is computed where the pass ran: only the per-head numbers come back.
@@ -257,6 +256,14 @@ def _rerun_on_gpu(
     out, _ = step_outputs(*args, **step_kwargs(inputs), device=device, to_cpu=False)
     assert out is not None
     return out
+
+
+class _Read(NamedTuple):
+    """One record read for replay: its tensors, its kernel inputs and its write-path check (None: not run)."""
+
+    tensors: Mapping[str, torch.Tensor]
+    inputs: StepInputs
+    write: WriteCheck | None
 
 
 # --------------------------------------------------------------------------- driver
@@ -353,28 +360,42 @@ def replay_trace(
     # ---- end of metadata verdicts
     read_layout = layout if layout is not None else resolve_layout(trace, with_tensors)
     on_gpu = is_gpu(device)
+    read_to, fa_version = (device if on_gpu else None), trace.run.flash_attn_version
 
-    def replay_one(i: int) -> _Outcome:
+    def read(i: int) -> _Read | NotInWriteLog:
+        """Record ``i`` read (on a GPU: there) and its write path checked, or why the write log cannot give it."""
         record = with_tensors[i]
         try:
-            tensors = trace.tensors(record, device=device if on_gpu else None)
+            tensors = trace.tensors(record, device=read_to)
         except NotInWriteLog as exc:
+            return exc
+        inputs = step_inputs(
+            record, tensors, spec, read_layout, flash_attn_version=fa_version, emulation=emulation, device=read_to
+        )
+        write = check_write_path(record, tensors, spec, read_layout) if check_write else None
+        return _Read(tensors, inputs, write)
+
+    def replay_one(i: int, ready: _Read | NotInWriteLog | None = None) -> _Outcome:
+        record = with_tensors[i]
+        if ready is None:
+            ready = read(i)
+        if isinstance(ready, NotInWriteLog):
             # The write log cannot give this step's blocks (a record or file changed, a block never
             # logged): the step cannot be shown to match, so it fails, saying why.
-            return _Outcome(unreplayable(record, str(exc)), None, None)
+            return _Outcome(unreplayable(record, str(ready)), None, None)
         result, legacy = replay_record(
             record,
-            tensors,
+            ready.tensors,
             spec,
             read_layout,
             kernel=kernel,
             check_legacy=i in legacy_at,
-            flash_attn_version=trace.run.flash_attn_version,
+            flash_attn_version=fa_version,
             emulation=emulation,
             device=device,
+            inputs=ready.inputs,
         )
-        write = check_write_path(record, tensors, spec, read_layout) if check_write else None
-        return _Outcome(result, write, legacy)
+        return _Outcome(result, ready.write, legacy)
 
     outcomes: list[_Outcome | None] = [None] * len(with_tensors)
     collected = 0
@@ -405,6 +426,10 @@ def replay_trace(
             outcome_type=_Outcome,
             meanwhile=check_metadata,
             warm_up=functools.partial(warm_up, device) if on_gpu and device is not None else None,
+            # On a GPU a record is the host's small calls: the next records are read (the file, the
+            # write log, the inputs, the write path) on a thread while this one's pass runs there.
+            # On a CPU every core replays records already.
+            prepare=read if on_gpu else None,
         )
     done = [o for o in outcomes if o is not None]
     results = [o.result for o in done]

@@ -25,7 +25,7 @@ kernels it models (``torch.backends.cuda.matmul.allow_tf32`` is turned off durin
 
 Einsum letters as in :mod:`reference_impl.kernel`, with ``r`` the item within a group.
 
-Imports torch, :mod:`reference_impl` and ``tracer.format`` (the bottom layer) only.
+Imports torch and :mod:`reference_impl` only.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from reference_impl.common import FP8_STORAGE, add_sinks, cdiv
 from reference_impl.emulation import FLASH, FP8_MAX_OFFSET, Emulation, round_output
 from reference_impl.emulation_rows import softmax_first
 from reference_impl.gathered import visibility
-from tracer.format.transfer import to_device
 
 __all__ = ["DEVICES", "PAD_SLACK", "select_device", "step_kwargs", "step_outputs", "warm_up"]
 
@@ -274,7 +273,7 @@ def _step_outputs(
         flat = list(itertools.chain(*ids, lo, [it.first for it in members], [it.end for it in members]))
         flat += itertools.chain(*q_at, *row_at, keep, kept)
         sizes = (r * width, r, r, r, r * max_q, r * max_q, len(keep), len(kept))
-        uploaded = to_device(torch.tensor(flat, dtype=torch.long), dev)
+        uploaded = torch.tensor(flat, dtype=torch.long, device=dev)
         ids_t, lo_t, first_t, end_t, q_pos, row_ids, keep_t, rows = uploaded.split(sizes)
         k_raw = k_cache.index_select(0, ids_t).view(r, width * block_size, num_kv_heads, head_size)
         v_raw = v_cache.index_select(0, ids_t).view(r, width * block_size, num_kv_heads, head_size)

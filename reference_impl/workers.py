@@ -28,9 +28,10 @@ import itertools
 import multiprocessing
 import os
 import platform
+import queue
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -41,12 +42,14 @@ __all__ = [
     "MAX_GPU_WORKERS",
     "MIN_RECORDS_PER_GPU_WORKER",
     "MIN_RECORDS_PER_WORKER",
+    "PREPARE_AHEAD",
     "Failed",
     "Finished",
     "Replayed",
     "cuda_fork_safe",
     "is_gpu",
     "keep_freed_memory",
+    "prepared",
     "run_records",
     "shares",
     "worker_count",
@@ -166,7 +169,7 @@ def shares(costs: Sequence[float], workers: int) -> list[range]:
 
 
 def run_records(
-    replay_one: Callable[[int], Any],
+    replay_one: Callable[..., Any],
     count: int,
     costs: Sequence[float],
     workers: int,
@@ -175,8 +178,15 @@ def run_records(
     outcome_type: Any = Any,
     meanwhile: Callable[[], None] | None = None,
     warm_up: Callable[[], None] | None = None,
+    prepare: Callable[[int], Any] | None = None,
 ) -> None:
     """``on_outcome(i, replay_one(i))`` for every ``i < count``, in this process or over ``workers``.
+
+    With ``prepare``, a record is replayed as ``replay_one(i, prepare(i))``, each process
+    preparing its records in order on a thread of its own, up to :data:`PREPARE_AHEAD` ahead
+    of the one it replays (:func:`prepared`): on a GPU, where a record is the host's small
+    calls, one record's reading overlaps the last one's pass. ``prepare`` must keep whatever
+    state it has to itself: only its records' order is the one a single thread gives.
 
     With several workers ``on_outcome`` runs in this process as outcomes arrive (any order
     across shares; in order within one), each decoded as ``outcome_type`` (msgspec's types:
@@ -187,13 +197,17 @@ def run_records(
     first records (and ``meanwhile``), on a thread of its own: a GPU process opens its CUDA
     context there. Whatever it raises, the records raise again.
     """
+
+    def one(i: int) -> Any:  # a record replayed here, on its own
+        return replay_one(i) if prepare is None else replay_one(i, prepare(i))
+
     if workers <= 1 or count <= 1:
         if warm_up is not None:
             threading.Thread(target=_quietly, args=(warm_up,), daemon=True).start()
         if meanwhile is not None:
             meanwhile()
-        for i in range(count):
-            on_outcome(i, replay_one(i))
+        for i, outcome in _replayed(replay_one, range(count), prepare):
+            on_outcome(i, outcome)
         return
     outcome_decoder = msgspec.msgpack.Decoder(outcome_type)
     context = multiprocessing.get_context("fork")
@@ -201,7 +215,7 @@ def run_records(
     try:
         for share in shares(costs, workers):
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(target=_work, args=(replay_one, share, send, warm_up), daemon=True)
+            process = context.Process(target=_work, args=(replay_one, share, send, warm_up, prepare), daemon=True)
             process.start()
             send.close()
             processes.append(process)
@@ -225,7 +239,7 @@ def run_records(
                 _, share = pending.pop(conn)
                 if isinstance(message, Failed):  # the error again, here, as one process raises it
                     for i in range(message.index, share.stop):
-                        on_outcome(i, replay_one(i))
+                        on_outcome(i, one(i))
     finally:
         for process in processes:
             if process.is_alive():
@@ -234,21 +248,81 @@ def run_records(
 
 
 def _work(
-    replay_one: Callable[[int], Any], share: range, send: Connection, warm_up: Callable[[], None] | None = None
+    replay_one: Callable[..., Any],
+    share: range,
+    send: Connection,
+    warm_up: Callable[[], None] | None = None,
+    prepare: Callable[[int], Any] | None = None,
 ) -> None:
     """A worker: replay its share, one message per record, then :class:`Finished` (or :class:`Failed`)."""
     if warm_up is not None:
         threading.Thread(target=_quietly, args=(warm_up,), daemon=True).start()
-    i = share.start
+    pending = share.start  # the record a failure is at
     try:
-        for i in share:
-            send.send_bytes(_ENCODER.encode(Replayed(i, msgspec.Raw(_ENCODER.encode(replay_one(i))))))
-    except BaseException:  # noqa: BLE001 - the caller replays from record i and raises the error itself
-        send.send_bytes(_ENCODER.encode(Failed(i)))
+        for i, outcome in _replayed(replay_one, share, prepare):
+            send.send_bytes(_ENCODER.encode(Replayed(i, msgspec.Raw(_ENCODER.encode(outcome)))))
+            pending = i + 1
+    except BaseException:  # noqa: BLE001 - the caller replays from that record and raises the error itself
+        send.send_bytes(_ENCODER.encode(Failed(pending)))
     else:
         send.send_bytes(_ENCODER.encode(Finished()))
     finally:
         send.close()
+
+
+#: How many records :func:`prepared` gets ready ahead of the one being replayed (each holds its
+#: tensors: a 7B-shaped default-mode step's are about 2.4 MiB).
+PREPARE_AHEAD = 4
+
+
+def _replayed(
+    replay_one: Callable[..., Any], indices: range, prepare: Callable[[int], Any] | None
+) -> Iterator[tuple[int, Any]]:
+    """``(i, replay_one(i))``, or with ``prepare`` ``(i, replay_one(i, prepare(i)))``, for each ``i`` in order."""
+    if prepare is None:
+        for i in indices:
+            yield i, replay_one(i)
+        return
+    for i, ready in prepared(prepare, indices):
+        yield i, replay_one(i, ready)
+
+
+def prepared(prepare: Callable[[int], Any], indices: range, ahead: int = PREPARE_AHEAD) -> Iterator[tuple[int, Any]]:
+    """``(i, prepare(i))`` for each ``i`` in order, ``prepare`` running on a thread up to ``ahead`` records early.
+
+    What ``prepare(i)`` raises is raised here, at ``i``; the thread stops when the caller does.
+    """
+    ready: queue.Queue[tuple[int, Any, BaseException | None]] = queue.Queue(maxsize=max(1, ahead))
+    stop = threading.Event()
+
+    def run() -> None:
+        for i in indices:
+            if stop.is_set():
+                return
+            try:
+                item: tuple[int, Any, BaseException | None] = (i, prepare(i), None)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                item = (i, None, exc)
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    thread = threading.Thread(target=run, daemon=True, name="pagedtrace-prepare")
+    thread.start()
+    try:
+        for _ in indices:
+            i, value, error = ready.get()
+            if error is not None:
+                raise error
+            yield i, value
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _quietly(call: Callable[[], None]) -> None:

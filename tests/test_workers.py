@@ -18,6 +18,7 @@ from reference_impl.workers import (
     MIN_RECORDS_PER_GPU_WORKER,
     MIN_RECORDS_PER_WORKER,
     can_fork,
+    prepared,
     run_records,
     shares,
     worker_count,
@@ -129,6 +130,62 @@ def test_a_process_replaying_alone_warms_up_beside_its_records():
     seen: list[bool] = []
     run_records(lambda i: seen.append(warmed.wait(5)), 2, [1.0] * 2, 1, lambda i, o: None, warm_up=warmed.set)
     assert seen == [True, True]
+
+
+def test_records_are_prepared_in_order_on_a_thread_ahead_of_the_one_replayed():
+    main = threading.get_ident()
+    threads: set[int] = set()
+    started: list[int] = []
+
+    def prepare(i: int) -> int:
+        threads.add(threading.get_ident())
+        started.append(i)
+        return 10 * i
+
+    got = []
+    for i, ready in prepared(prepare, range(6), ahead=2):
+        time.sleep(0.02)  # the thread runs ahead, never more than `ahead` records (+ the one it holds)
+        assert max(started) <= i + 3
+        got.append((i, ready))
+    assert got == [(i, 10 * i) for i in range(6)] and started == list(range(6))
+    assert threads and main not in threads
+
+
+def test_an_error_in_preparing_is_raised_at_its_record_and_the_thread_stops():
+    def prepare(i: int) -> int:
+        if i == 3:
+            raise TraceError("record 3 is unreadable")
+        return i
+
+    got = []
+    with pytest.raises(TraceError, match="record 3"):
+        for _, ready in prepared(prepare, range(10)):
+            got.append(ready)
+    assert got == [0, 1, 2]
+    before = threading.active_count()
+    for _ in prepared(prepare, range(3)):  # a caller that stops early stops the thread too
+        break
+    assert threading.active_count() <= before
+
+
+@pytest.mark.parametrize("processes", [1, pytest.param(3, marks=needs_fork)])
+def test_prepared_records_are_replayed_with_what_was_prepared_for_them(processes):
+    got: dict[int, list[int]] = {}
+    run_records(lambda i, ready: [i, ready], 9, [1.0] * 9, processes, got.__setitem__, prepare=lambda i: -i)
+    assert got == {i: [i, -i] for i in range(9)}
+
+
+@needs_fork
+def test_a_worker_that_fails_in_preparing_hands_the_rest_to_the_caller():
+    def prepare(i: int) -> int:
+        if i == 4 and os.getpid() != parent:
+            raise RuntimeError("only in the worker")
+        return i
+
+    parent = os.getpid()
+    got: dict[int, int] = {}
+    run_records(lambda i, ready: ready + 100, 8, [1.0] * 8, 2, got.__setitem__, prepare=prepare)
+    assert got == {i: i + 100 for i in range(8)}
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")

@@ -11,8 +11,7 @@
 * :mod:`~tracer.format.layouts` -- the KV-cache layout registry and its geometry;
 * :mod:`~tracer.format.metadata` -- metadata verdicts: slots, lengths, blocks, flags, groups (no tensors);
 * :mod:`~tracer.format.groups` -- the KV-cache groups of a trace, recorded or inferred;
-* :mod:`~tracer.format.selection` -- ``--steps`` / ``--layers`` parsing and matching;
-* :mod:`~tracer.format.transfer` -- copies to a GPU that do not hold the host up.
+* :mod:`~tracer.format.selection` -- ``--steps`` / ``--layers`` parsing and matching.
 
 ``tracer`` (the hooks), ``reference_impl``, ``annotations``, ``reports`` and the CLI
 import from here; this package imports only the standard library (safetensors and

@@ -39,7 +39,6 @@ from tracer.format.reading import (
 )
 from tracer.format.records import GapRecord, RunInfo, StepRecord, TraceError, record_from_json, record_to_json
 from tracer.format.schema import INDEX_TENSORS, KV_INPUTS_WRITTEN, check_step_in_cache, check_tensors
-from tracer.format.transfer import to_device
 from tracer.format.version import FORMAT_VERSION, READABLE_VERSIONS
 from tracer.format.writelog import WriteLogReader
 
@@ -306,7 +305,7 @@ class Trace:
         if loaded.pop(KV_INPUTS_WRITTEN, None) is not None:
             loaded["key"], loaded["value"] = inputs_from_written(record, loaded["kv_written"])
         if device is not None:  # before the rebuild, which then finds this step's writes there
-            loaded = {name: t if name in INDEX_TENSORS else to_device(t, device) for name, t in loaded.items()}
+            loaded = {name: t if name in INDEX_TENSORS else t.to(device) for name, t in loaded.items()}
         if record.kv_log_epoch is not None and "kv_blocks" not in loaded:
             loaded["kv_block_ids"], loaded["kv_blocks"] = self.write_log.rebuild(record, loaded, device=device)
         return loaded

@@ -46,7 +46,6 @@ from tracer.format.errors import TraceError
 from tracer.format.layouts import token_elements
 from tracer.format.records import KVCacheSpec, RunInfo, StepRecord
 from tracer.format.schema import WRITE_LOG_TENSORS, check_tensors
-from tracer.format.transfer import to_device
 
 if TYPE_CHECKING:
     import torch
@@ -191,12 +190,12 @@ class _LayerState:
         new_ids = tensors["kv_new_block_ids"].long()
         if new_ids.numel():
             rows = self._rows(new_ids)
-            blocks = to_device(_bits(new_blocks).reshape(new_ids.numel(), geo.elements), self.device)
-            self.data[to_device(rows, self.device)] = blocks
+            blocks = _bits(new_blocks).reshape(new_ids.numel(), geo.elements).to(self.device)
+            self.data[rows.to(self.device)] = blocks
             self.known[rows] = True
         slots = tensors["kv_slots"].long()
         if slots.numel():
-            values = to_device(_bits(written).reshape(slots.numel(), -1), self.device)
+            values = _bits(written).reshape(slots.numel(), -1).to(self.device)
             if torch.unique(slots).numel() < slots.numel():
                 # A slot written twice in one step holds its last write, as the cache would.
                 last = {s: j for j, s in enumerate(slots.tolist())}
@@ -205,7 +204,7 @@ class _LayerState:
             blocks, tokens = slots // geo.block_size, slots % geo.block_size
             unique, inverse = torch.unique(blocks, return_inverse=True)
             rows = self._rows(unique)[inverse]
-            rows_at, tokens_at = to_device(torch.stack([rows, tokens]), self.device)
+            rows_at, tokens_at = torch.stack([rows, tokens]).to(self.device)  # one copy
             self.data[rows_at[:, None], self.index[tokens_at]] = values
             self.known[rows, tokens] = True
 
@@ -248,7 +247,7 @@ class _LayerState:
                 record, first_step, set(id_tensor[short].tolist()), dict(zip(ids, leading.tolist(), strict=True))
             )
         # Rows of bytes: torch's CPU index_select copies a byte row with one memcpy, wider elements one by one.
-        taken = self.data.view(torch.uint8).index_select(0, to_device(rows, self.device))
+        taken = self.data.view(torch.uint8).index_select(0, rows.to(self.device))
         blocks = taken.view(self.dtype).reshape(len(ids), *geo.block_shape)  # type: ignore[arg-type]
         return id_tensor.to(torch.int32), blocks, known
 
