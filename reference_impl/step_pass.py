@@ -381,15 +381,40 @@ def select_device(name: str | None = None) -> torch.device:
 
 
 def warm_up(device: torch.device | str) -> None:
-    """Open ``device``'s CUDA context and load the matrix products the pass runs (fp64 and fp32).
+    """Open ``device``'s CUDA context and run a tiny step through the pass there.
 
     Replay runs it on a thread beside its first records (:func:`reference_impl.workers.run_records`):
-    the driver's and the library's start-up then overlap the trace's reading.
+    the driver's and cuBLAS's start-up and the pass's kernels (CUDA loads each one's module on its
+    first use) then load while the trace is read, not in its first records. The pass runs without
+    :func:`step_outputs`' TF32 switch, which is process-wide and belongs to the records' thread.
     """
     torch.cuda.init()
-    for dtype in (torch.float64, torch.float32):
-        a = torch.ones(2, 2, 2, dtype=dtype, device=device)
-        torch.bmm(a, a)
+    query = torch.ones(3, 2, 8, dtype=torch.bfloat16)
+    cache = torch.ones(2, 16, 1, 8, dtype=torch.bfloat16)
+    table, lens, starts = torch.tensor([[0, 1]]), torch.tensor([20]), torch.tensor([0, 3])
+    _step_outputs(
+        query,
+        cache,
+        cache,
+        table,
+        lens,
+        starts,
+        scale=0.5,
+        causal=True,
+        window=(-1, -1),
+        softcap=0.0,
+        alibi_slopes=None,
+        sinks=None,
+        k_scale=1.0,
+        v_scale=1.0,
+        fp8_query=None,
+        q_scale=1.0,
+        out_dtype=torch.bfloat16,
+        emulation=FLASH,
+        reference=True,
+        dev=torch.device(device),
+        to_cpu=False,
+    )
     torch.cuda.synchronize(device)
 
 

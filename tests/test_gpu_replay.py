@@ -84,3 +84,15 @@ def test_planted_bugs_are_caught_on_the_gpu(name, mutation, check):
         failed = {"attention": not result.ok, "write": write is not None and not write.ok}
         caught += failed[check]
     assert caught == len(fx.targets(2))
+
+
+def test_the_warm_up_runs_a_step_through_the_pass_and_leaves_tf32_alone():
+    from reference_impl.step_pass import warm_up
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        warm_up("cuda")  # replay runs it on a thread that drops its errors: here they would show
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
