@@ -11,7 +11,8 @@
 # BASELINE=DIR (the packages of another commit: `git archive COMMIT reference_impl tracer pagedtrace`),
 # that commit's replay_trace in the rounds between, side by side. Then times `pagedtrace replay` as a
 # user runs it (wall clock, the interpreter's start included) and prints benchmarks/replay_stages.py's
-# stage times of one GPU process with its 40 costliest functions and torch's 40 costliest operators.
+# stage times of one GPU process with its 40 costliest functions (TORCH_PROFILE=1: and torch's 40 costliest
+# operators).
 set -uo pipefail
 OUT=${OUT:?set OUT to an output directory}
 BENCH=${BENCH:-/tmp/pagedtrace-bench}
@@ -105,6 +106,8 @@ for run in 1; do
   echo "pagedtrace replay (wall, run $run): exit $rc in $wall s; last line: $(tail -1 "$OUT/cli-replay-$run.txt")" | tee -a "$OUT/replay-gpu.txt"
 done
 python3 benchmarks/replay_stages.py "$TRACE" --device cuda --repeat 2 --profile 40 > "$OUT/replay-stages-gpu.txt" 2>&1
-python3 benchmarks/replay_stages.py "$TRACE" --device cuda --repeat 2 --torch-profile 40 >> "$OUT/replay-stages-gpu.txt" 2>&1
+if [ -n "${TORCH_PROFILE:-}" ]; then
+  python3 benchmarks/replay_stages.py "$TRACE" --device cuda --repeat 2 --torch-profile 40 >> "$OUT/replay-stages-gpu.txt" 2>&1
+fi
 head -12 "$OUT/replay-stages-gpu.txt"
 echo "replay-gpu: done after $(( $(date +%s) - start )) s; outputs under $OUT"
