@@ -49,7 +49,7 @@ __all__ = ["DEVICES", "PAD_SLACK", "select_device", "step_kwargs", "step_outputs
 #: logits cost what real ones do: sorted items pad little. On a GPU the pass is bound by the host,
 #: which launches some fifty kernels a group (about 0.4 ms on an H100), while the padded arithmetic
 #: runs on a device that is otherwise idle: a step's rows share one group unless it would pad more
-#: than three times their work (a decode step's 32 rows of 260 to 430 keys pad about 0.3 times).
+#: than three times their work (a decode step's 32 rows of 260 to 430 keys pad about a quarter).
 PAD_SLACK = {"cpu": 0.25, "cuda": 3.0}
 
 #: Caps per group, in elements: gathered K (one of K/V, ``r * n * H_kv * D``) and logits
