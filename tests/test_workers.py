@@ -191,3 +191,30 @@ def test_a_worker_that_fails_in_preparing_hands_the_rest_to_the_caller():
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_replay_keeps_the_memory_it_frees_for_the_next_step():
     assert workers.keep_freed_memory()
+
+
+def test_the_gpu_path_prepares_records_on_a_thread_and_gives_the_one_thread_report(monkeypatch):
+    """The GPU's code path, run on the CPU (``is_gpu`` says yes, no device named): reading records ahead
+    on a thread gives the report that reading each one just before its pass gives, to the bit."""
+    import reference_impl.replay as replay_module
+
+    monkeypatch.setattr(replay_module, "is_gpu", lambda device: True)
+    threaded = []
+
+    def spied(prepare, indices, ahead=workers.PREPARE_AHEAD):
+        threaded.append(len(indices))
+        yield from prepared(prepare, indices, ahead)
+
+    monkeypatch.setattr(workers, "prepared", spied)
+    name = "h200-llama3.1-8b-fp8-writelog"  # a write log: the thread keeps its state, in order
+    ahead = replay_trace(Trace.open(FIXTURES / name), workers=1, legacy_every=2)
+    assert threaded == [len(ahead.steps)]
+
+    def inline(prepare, indices, ahead=0):
+        for i in indices:
+            yield i, prepare(i)
+
+    monkeypatch.setattr(workers, "prepared", inline)
+    one_thread = replay_trace(Trace.open(FIXTURES / name), workers=1, legacy_every=2)
+    assert _without_time(ahead) == _without_time(one_thread)
+    assert ahead.steps and all(s.ok for s in ahead.steps) and ahead.write_path

@@ -12,7 +12,7 @@
 # that commit's replay_trace in the rounds between, side by side. Then times `pagedtrace replay` as a
 # user runs it (wall clock, the interpreter's start included) and prints benchmarks/replay_stages.py's
 # stage times of one GPU process with its 40 costliest functions (TORCH_PROFILE=1: and torch's 40 costliest
-# operators).
+# operators). QUICK=1: no 4-worker run, no CLI run, no stage times.
 set -uo pipefail
 OUT=${OUT:?set OUT to an output directory}
 BENCH=${BENCH:-/tmp/pagedtrace-bench}
@@ -33,7 +33,7 @@ cp "$BENCH/gpu-overhead.json" "$BENCH/gpu-overhead.txt" "$OUT/" 2>/dev/null
 TRACE="$BENCH/default-tensors-l0"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/replay-gpu.txt"
 python3 - "$TRACE" "$BENCH" "$OUT" <<'PY' 2>&1 | tee -a "$OUT/replay-gpu.txt"
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 import torch
 from reference_impl.replay import replay_trace
@@ -49,7 +49,8 @@ print(f"engine generate (3 batches, tensors of layer 0): {generate_s:.3f} s")
 reports = {}
 # The parent must not initialise CUDA before GPU workers fork (each opens its own context), so the runs
 # with workers go first and the one-process GPU run last.
-for device, workers in (("cuda", 4), ("cpu", None), ("cuda", None)):
+runs = (("cuda", 4), ("cpu", None), ("cuda", None)) if not os.environ.get("QUICK") else (("cpu", None), ("cuda", None))
+for device, workers in runs:
     start = time.perf_counter()
     report = replay_trace(Trace.open(trace_dir), device=device, workers=workers)
     if device == "cuda" and torch.cuda.is_initialized():
@@ -98,6 +99,7 @@ for round in $(seq "${ROUNDS:-3}"); do
     echo "round $round: baseline: $(cd "$BASELINE" && PYTHONPATH="$BASELINE:$SITE" python3 /tmp/replay-round.py "$TRACE" 2>&1 | tail -1)" | tee -a "$OUT/replay-gpu.txt"
   fi
 done
+[ -n "${QUICK:-}" ] && { echo "replay-gpu: done after $(( $(date +%s) - start )) s (QUICK: no CLI, no stages)"; exit 0; }
 for run in 1; do
   t0=$EPOCHREALTIME
   python3 -m pagedtrace replay "$TRACE" > "$OUT/cli-replay-$run.txt" 2>&1
