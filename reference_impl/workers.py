@@ -17,6 +17,9 @@ an outcome decoded as the caller's type, to the bit. A worker that fails sends o
 caller replays the rest of that share itself, so the error it raises is the one a single process
 raises, of the same type.
 
+On a GPU a record is mostly the host's small calls: each replaying process then reads its next
+records on a thread of its own (:func:`prepared`) while the current one's pass runs.
+
 Imports torch and ``msgspec`` only.
 """
 
