@@ -156,13 +156,21 @@ def head_bars(
         baseline: ``[T, H, D]``, the emulation (None: the floor alone).
         dtype: the activation dtype whose epsilon sets the floor.
     """
-    ref = expected.double().abs()
-    floor = floor_ulps * _eps(dtype) * _per_head_max(ref)
+    tol, base, floor, _ = _bars(expected, baseline, dtype, k, floor_ulps)
+    return tol, base, floor
+
+
+def _bars(
+    expected: torch.Tensor, baseline: torch.Tensor | None, dtype: torch.dtype, k: float, floor_ulps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`head_bars` and each head's largest ``|expected|``, the floor's scale."""
+    scale = _per_head_max(expected.double().abs())
+    floor = floor_ulps * _eps(dtype) * scale
     if baseline is None:
         base = torch.zeros_like(floor)
     else:
         base = _per_head_max((baseline.double() - expected.double()).abs())
-    return k * base + floor, base, floor
+    return k * base + floor, base, floor, scale
 
 
 def tolerance(
@@ -220,10 +228,9 @@ def compare(
         dtype = baseline.dtype if baseline is not None else actual.dtype
     err = (actual.double() - expected.double()).abs()
     per_head = _per_head_max(err)
-    tol_h, base_h, floor_h = head_bars(expected, baseline, dtype=dtype, k=k, floor_ulps=floor_ulps)
+    tol_h, base_h, floor_h, scale_h = _bars(expected, baseline, dtype, k, floor_ulps)
     ok_h = per_head <= tol_h  # NaN compares False
     mean_h = _per_head_mean(err)
-    scale_h = _per_head_max(expected.double().abs())
     columns = [per_head, tol_h, ok_h, base_h, mean_h, scale_h]
     mean_bar = baseline is not None and dtype in MEAN_DTYPES and err.numel() > 0
     if mean_bar:

@@ -201,9 +201,6 @@ def run_records(
     context there. Whatever it raises, the records raise again.
     """
 
-    def one(i: int) -> Any:  # a record replayed here, on its own
-        return replay_one(i) if prepare is None else replay_one(i, prepare(i))
-
     if workers <= 1 or count <= 1:
         if warm_up is not None:
             threading.Thread(target=_quietly, args=(warm_up,), daemon=True).start()
@@ -241,8 +238,8 @@ def run_records(
                     continue
                 _, share = pending.pop(conn)
                 if isinstance(message, Failed):  # the error again, here, as one process raises it
-                    for i in range(message.index, share.stop):
-                        on_outcome(i, one(i))
+                    for i, outcome in _replayed(replay_one, range(message.index, share.stop), prepare):
+                        on_outcome(i, outcome)
     finally:
         for process in processes:
             if process.is_alive():

@@ -234,10 +234,6 @@ def decode(hint: Any, value: Any, where: str, owner: str, name: str, version: in
     raise TypeError(f"schema: no decoder for {hint!r} ({owner}.{name})")  # a new field type: teach decode
 
 
-#: The element types of a list of plain integers (bool is a type of its own).
-_INT_ONLY = {int}
-
-
 def _decode_tuple(hint: Any, value: Any, where: str, owner: str, name: str, version: int) -> tuple[Any, ...]:
     args = get_args(hint)
     if type(value) is not list:
@@ -247,7 +243,7 @@ def _decode_tuple(hint: Any, value: Any, where: str, owner: str, name: str, vers
         if len(value) > limit:
             raise TraceError(f"{where}: a list of {len(value)} entries (at most {limit})")
         elem = args[0]
-        if elem is int and (not value or set(map(type, value)) == _INT_ONLY):  # the common case, in C
+        if elem is int and all(type(v) is int for v in value):  # the common case, fast
             lo, hi = INT_RANGES.get((owner, name), (-INT64_MAX - 1, INT64_MAX))
             if value and not (lo <= min(value) and max(value) <= hi):
                 bad = next(v for v in value if not lo <= v <= hi)

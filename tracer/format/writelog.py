@@ -190,8 +190,7 @@ class _LayerState:
         new_ids = tensors["kv_new_block_ids"].long()
         if new_ids.numel():
             rows = self._rows(new_ids)
-            blocks = _bits(new_blocks).reshape(new_ids.numel(), geo.elements).to(self.device)
-            self.data[rows.to(self.device)] = blocks
+            self.data[rows.to(self.device)] = _bits(new_blocks).reshape(new_ids.numel(), geo.elements).to(self.device)
             self.known[rows] = True
         slots = tensors["kv_slots"].long()
         if slots.numel():
